@@ -1,0 +1,35 @@
+"""Errors raised by resharding, each naming the tensor, rank or layout at fault.
+
+Every check that can fail runs before any byte moves (DESIGN.md, principle 4), so
+catching one of these means the source state is untouched.
+"""
+
+from __future__ import annotations
+
+
+class ReshardError(ValueError):
+    """Base class: bad input to planning or execution."""
+
+
+class LayoutError(ReshardError):
+    """A layout or EMU is malformed: shards out of bounds, replicas that disagree, ..."""
+
+
+class MismatchError(ReshardError):
+    """Source and target disagree on a tensor's global shape or dtype, or on its presence."""
+
+
+class CoverageError(ReshardError):
+    """A target region that no live source rank and no staged checkpoint holds."""
+
+
+class MemoryBudgetError(ReshardError):
+    """No transition schedule keeps every rank within its memory budget."""
+
+
+class ProcessGroupError(ReshardError):
+    """A plan names a rank that is not in the process group, or local buffers are wrong."""
+
+
+class TransferError(RuntimeError):
+    """Bytes moved but arrived wrong (checksum mismatch) or a peer failed mid-transfer."""
