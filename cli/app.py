@@ -1,0 +1,50 @@
+"""The `nereus` command: a thin Typer app.
+
+Each command lives in its own small module under cli/ as a plain function and is
+registered here, one line each, so this file stays a table of contents::
+
+    from nereus.cli.demo import demo
+    app.command()(demo)
+
+Commands parse and validate their arguments, then call library code; no logic here.
+"""
+
+from __future__ import annotations
+
+import typer
+
+import nereus
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Nereus: adaptive-parallelism runtime for RL post-training of LLMs.",
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Nereus: adaptive-parallelism runtime for RL post-training of LLMs."""
+    # An explicit callback keeps Typer in group mode (`nereus version`) even while
+    # only one command is registered; without it a lone command becomes the app.
+
+
+@app.command()
+def version() -> None:
+    """Print the nereus and torch versions."""
+    import torch  # deferred: keeps `nereus --help` fast
+
+    typer.echo(f"nereus {nereus.__version__}")
+    typer.echo(f"torch {torch.__version__}")
+
+
+# Register further commands below, e.g. `app.command()(demo)`.
+
+
+def main() -> None:
+    """Console-script entry point (`nereus`)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Models, parallelization, rollout, PPO/GRPO and the controller: placeholder, filled by a later issue."""
