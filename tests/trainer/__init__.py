@@ -1,0 +1,1 @@
+"""Tests of nereus.trainer (model, generation)."""

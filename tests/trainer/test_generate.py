@@ -1,0 +1,123 @@
+"""The KV-cache generator equals the recompute-everything generator, token for token, with
+left-padded prompts of different lengths and stop tokens; its log-probs equal a
+teacher-forced forward over the rollout."""
+
+import pytest
+import torch
+
+from nereus.trainer.generate import Rollout, generate, generate_no_cache, left_pad
+
+from .test_model import make_model
+
+PROMPTS = [[5, 9, 3, 7, 1, 2, 11], [4, 4], [8, 1, 6, 2], [17]]
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return make_model(std=0.5, num_layers=2, qkv_bias=True)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def assert_same(a: Rollout, b: Rollout) -> None:
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.prompt_mask, b.prompt_mask) and torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(a.response_lengths, b.response_lengths)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def assert_well_formed(r: Rollout, stops: set[int]) -> None:
+    """Masks, padding and lengths agree with each other and with the stop tokens."""
+    p = r.prompt_width
+    assert r.prompt_mask.sum(1).tolist() == r.prompt_lengths.tolist()
+    assert not (r.prompt_mask & r.response_mask).any() and not r.response_mask[:, :p].any()
+    for b in range(r.tokens.shape[0]):
+        n = int(r.response_lengths[b])
+        response = r.tokens[b, p:]
+        assert r.response_mask[b, p:].tolist() == [True] * n + [False] * (response.shape[0] - n)
+        assert (response[n:] == PAD).all() and (r.logprobs[b, n:] == 0).all()
+        assert not stops & set(response[: n - 1].tolist())
+        assert response[n - 1].item() in stops or n == response.shape[0]
+        assert (r.logprobs[b, :n] < 0).all()
+
+
+def run_both(model, **kwargs) -> tuple[Rollout, Rollout]:
+    seed = kwargs.pop("seed", 0)
+    a = generate(model, PROMPTS, pad_id=PAD, generator=seeded(seed), **kwargs)
+    b = generate_no_cache(model, PROMPTS, pad_id=PAD, generator=seeded(seed), **kwargs)
+    return a, b
+
+
+def pick_stop_tokens(model) -> set[int]:
+    """A stop token that row 1 emits at its third step (greedy), so some rows stop and others do not."""
+    free = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=3, temperature=0)
+    return {int(free.tokens[1, -1])}
+
+
+def test_greedy_with_cache_equals_without(model):
+    stops = pick_stop_tokens(model)
+    a, b = run_both(model, max_new_tokens=10, temperature=0, stop_tokens=tuple(stops))
+    assert_same(a, b)
+    assert_well_formed(a, stops)
+    assert a.response_lengths[1] <= 3 and a.response_lengths.max() == 10
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_with_cache_equals_without_for_the_same_seed(model, temperature, top_p):
+    first = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=1, temperature=temperature, top_p=top_p, generator=seeded(1))
+    stops = set(first.tokens[:2, -1].tolist())  # rows 0 and 1 stop at once, the others run on
+    a, b = run_both(model, max_new_tokens=12, temperature=temperature, top_p=top_p, stop_tokens=tuple(stops), seed=1)
+    assert_same(a, b)
+    assert_well_formed(a, stops)
+    assert (a.response_lengths[:2] == 1).all()
+    other = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=12, temperature=temperature, top_p=top_p, generator=seeded(2))
+    assert not torch.equal(other.tokens[2:], a.tokens[2:])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_equal_a_teacher_forced_forward(model, temperature):
+    r = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=9, temperature=temperature, top_p=0.8, generator=seeded(3))
+    p = r.prompt_width
+    logits = model(r.tokens, attention_mask=r.attention_mask)[:, p - 1 : -1].float()
+    logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, r.tokens[:, p:, None]).squeeze(-1)
+    real = r.response_mask[:, p:]
+    torch.testing.assert_close(r.logprobs[real], logp[real], atol=1e-5, rtol=0)
+
+
+def test_stops_early_when_every_row_has_stopped(model):
+    first = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=1, temperature=0).tokens[:, -1]
+    a, b = run_both(model, max_new_tokens=20, temperature=0, stop_tokens=tuple(first.tolist()))
+    assert_same(a, b)
+    assert a.logprobs.shape == (4, 1) and a.response_lengths.tolist() == [1, 1, 1, 1]
+
+
+def test_a_row_alone_equals_the_row_in_a_left_padded_batch(model):
+    batch = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=8, temperature=0)
+    for b, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt], pad_id=PAD, max_new_tokens=8, temperature=0)
+        assert torch.equal(alone.tokens[0, len(prompt) :], batch.tokens[b, batch.prompt_width :])
+        torch.testing.assert_close(alone.logprobs[0], batch.logprobs[b], atol=1e-5, rtol=0)
+
+
+def test_tiny_top_p_is_greedy_and_tensor_prompts_equal_list_prompts(model):
+    greedy = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=6, temperature=0)
+    nucleus = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=6, temperature=1.0, top_p=1e-6, generator=seeded(4))
+    assert torch.equal(greedy.tokens, nucleus.tokens)
+    ids, lengths = left_pad(PROMPTS, pad_id=PAD)
+    ids[1, :5] = 13  # pad slots hold any valid id: they are masked
+    from_tensor = generate(model, ids, prompt_lengths=lengths, pad_id=PAD, max_new_tokens=6, temperature=0)
+    assert torch.equal(from_tensor.tokens[:, ids.shape[1] :], greedy.tokens[:, ids.shape[1] :])
+    torch.testing.assert_close(from_tensor.logprobs, greedy.logprobs, atol=1e-5, rtol=0)
+
+
+def test_bad_arguments_are_rejected(model):
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, [[1], []], pad_id=PAD, max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        generate(model, torch.ones(2, 3, dtype=torch.long), pad_id=PAD, max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, [[1]], pad_id=PAD, max_new_tokens=2, top_p=0.0)

@@ -1,0 +1,192 @@
+"""Batched autoregressive sampling with a KV cache: the built-in rollout engine.
+
+Prompts of different lengths are left-padded to P so that every row's last prompt token
+sits in column P-1 and all rows decode in lock-step; position ids count real tokens only.
+Each step samples one token per row from ``softmax(logits / temperature)`` restricted to the
+top-p nucleus (greedy argmax when temperature == 0). A row stops after emitting a stop token;
+later columns hold ``pad_id``. Decoding ends when every row has stopped or after
+``max_new_tokens`` steps, so N <= max_new_tokens.
+
+Log-probs (what RL needs as the behaviour policy's log-prob): ``log_softmax(logits / T)``
+of the sampled token, of the model's logits before top-p filtering (verl's convention; with
+top-p < 1 the true sampling distribution is renormalised over the nucleus, this is not).
+For greedy decoding (T == 0) they are ``log_softmax(logits)``.
+
+The generator only calls ``model(ids, attention_mask=, kv_cache=)``: it is TP-agnostic
+(DTensor TP runs inside the same forward). ``generate_no_cache`` recomputes the whole
+sequence each step; it exists to test the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .model import KVCache
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rollout:
+    """A batch of prompts and sampled responses, B rows, P prompt columns, N response columns.
+
+    tokens          [B, P+N] int64: left-padded prompt, response, right padding (pad_id).
+    prompt_mask     [B, P+N] bool: real prompt tokens.
+    response_mask   [B, P+N] bool: generated tokens, up to and including the stop token.
+    logprobs        [B, N] float32: log_softmax(logits / T) of each sampled token (0 on padding);
+                    column j belongs to tokens[:, P + j].
+    prompt_lengths  [B] int64, response_lengths [B] int64 (stop token included).
+    """
+
+    tokens: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    prompt_lengths: torch.Tensor
+    response_lengths: torch.Tensor
+
+    @property
+    def prompt_width(self) -> int:
+        """P: the number of (left-padded) prompt columns."""
+        return self.tokens.shape[1] - self.logprobs.shape[1]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[B, P+N] bool: real tokens (prompt or response), for teacher-forced scoring."""
+        return self.prompt_mask | self.response_mask
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, P] (P = longest prompt) left-padded with ``pad_id``, and the lengths [B]."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+    return ids.to(device), torch.tensor([len(p) for p in prompts], device=device)
+
+
+def sample(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of logits [B, V] and its log-prob, as the module docstring states.
+
+    Sampling uses the exponential-race form of the categorical draw: argmax(p / E) with
+    E ~ Exp(1) i.i.d. picks index i with probability p_i. It draws B * V numbers every step
+    whatever the logits, so two runs from one seed (with and without the cache) stay in step.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1)
+    else:
+        logp = torch.log_softmax(logits / temperature, -1)
+        probs = logp.exp()
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(-1, descending=True)
+            outside = sorted_p.cumsum(-1) - sorted_p > top_p  # the most likely token is always kept
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
+        race = torch.empty_like(probs).exponential_(generator=generator)
+        tokens = (probs / race).argmax(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]] | torch.Tensor,
+    *,
+    prompt_lengths: torch.Tensor | None = None,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample up to ``max_new_tokens`` per prompt, prefilling once and decoding through a KV cache.
+
+    ``prompts``: lists of token ids, or a left-padded tensor [B, P] with ``prompt_lengths``.
+    ``generator`` must live on the model's device; the same seed gives the same tokens.
+    """
+    ids, lengths = _prompt_batch(model, prompts, prompt_lengths, pad_id)
+    return _decode(model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, use_cache=True)
+
+
+def generate_no_cache(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]] | torch.Tensor,
+    *,
+    prompt_lengths: torch.Tensor | None = None,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    stop_tokens: Sequence[int] = (),
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """``generate`` recomputing the full sequence every step (O(N^2) work): a test oracle."""
+    ids, lengths = _prompt_batch(model, prompts, prompt_lengths, pad_id)
+    return _decode(model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, use_cache=False)
+
+
+def _prompt_batch(model, prompts, prompt_lengths, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [B, P] and lengths [B] on the model's device, checked."""
+    device = next(model.parameters()).device
+    if not isinstance(prompts, torch.Tensor):
+        return left_pad(prompts, pad_id, device)
+    if prompt_lengths is None:
+        raise ValueError("a prompt tensor needs prompt_lengths (its rows are left-padded)")
+    ids, lengths = prompts.to(device, torch.long), prompt_lengths.to(device, torch.long)
+    if bool((lengths < 1).any()) or bool((lengths > ids.shape[1]).any()):
+        raise ValueError(f"prompt_lengths must lie in [1, {ids.shape[1]}], got {lengths.tolist()}")
+    return ids, lengths
+
+
+@torch.no_grad()
+def _decode(
+    model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, *, use_cache
+) -> Rollout:
+    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"need temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1; got {temperature}, {top_p}, {max_new_tokens}"
+        )
+    device = ids.device
+    b, width = ids.shape
+    prompt_mask = torch.arange(width, device=device) >= width - lengths[:, None]
+    stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
+    cache = KVCache.for_model(model, b, width + max_new_tokens) if use_cache else None
+
+    tokens, real = ids, prompt_mask
+    logits = model(ids, attention_mask=prompt_mask, kv_cache=cache)[:, -1]
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    new_tokens, new_logprobs, alive_cols = [], [], []
+    for step in range(max_new_tokens):
+        token, logp = sample(logits, temperature, top_p, generator)
+        alive = ~done
+        token, logp = token.masked_fill(done, pad_id), logp.masked_fill(done, 0.0)
+        new_tokens.append(token)
+        new_logprobs.append(logp)
+        alive_cols.append(alive)
+        done = done | torch.isin(token, stops)
+        if step == max_new_tokens - 1 or bool(done.all()):
+            break
+        tokens, real = torch.cat([tokens, token[:, None]], 1), torch.cat([real, alive[:, None]], 1)
+        if cache is not None:
+            logits = model(token[:, None], attention_mask=alive[:, None], kv_cache=cache)[:, -1]
+        else:
+            logits = model(tokens, attention_mask=real)[:, -1]
+
+    response_mask = torch.stack(alive_cols, 1)
+    return Rollout(
+        tokens=torch.cat([ids, torch.stack(new_tokens, 1)], 1),
+        prompt_mask=torch.cat([prompt_mask, torch.zeros_like(response_mask)], 1),
+        response_mask=torch.cat([torch.zeros_like(prompt_mask), response_mask], 1),
+        logprobs=torch.stack(new_logprobs, 1),
+        prompt_lengths=lengths,
+        response_lengths=response_mask.sum(1),
+    )

@@ -1,0 +1,434 @@
+"""A Llama/Qwen2-family decoder in plain PyTorch, with HuggingFace parameter names.
+
+No parallelism lives here: TP (DTensor plans keyed by module name), PP (dropping layers and
+the embedding/head) and FSDP/DDP are applied from outside. Build order, as in torchtitan:
+``build_model(args)`` on ``meta`` -> parallelize -> ``to_empty(device=...)`` -> ``init_weights``
+or load.
+
+Maths, per block (x: [B, T, h], d = head_dim, H query heads, K kv heads, r = H / K):
+
+    a = x + o_proj(attn(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+    y = a + down_proj(silu(gate_proj(n2(a))) * up_proj(n2(a)))
+
+- RMSNorm n(x) = w * x / sqrt(mean(x^2) + eps), computed in float32 and cast back (as HF).
+- RoPE in HF's ``rotate_half`` convention: dimension i is paired with i + d/2 (not with its
+  neighbour), rotated by angle ``pos * theta^(-2i/d)``; positions count real tokens only, so
+  a left-padded row starts at position 0 at its first real token.
+- GQA: query head j reads kv head ``j // r`` (KV heads repeated, HF's ``repeat_kv``).
+- Attention is causal, scale 1/sqrt(d), through ``scaled_dot_product_attention``. Padded keys
+  are masked; every query may always see its own slot, so a pad query's row is never empty
+  (no NaN that a later layer could multiply by a zero weight).
+
+Head counts inside attention are read from the projections' output sizes (``view(B, T, -1, d)``),
+so a TP plan that shards q/k/v by column runs the same code on local heads.
+
+Pipeline stages: set ``model.embed_tokens``/``model.norm``/``lm_head``/``score`` to None and
+delete entries of ``model.layers`` (keys "0".."N-1" stay stable). A forward given floating
+point input treats it as hidden states [B, T, h] and skips the embedding; a stage whose
+``model.norm`` is None returns hidden states. With tied embeddings the output projection is
+``model.embed_tokens.weight`` (the last stage keeps a copy of it, as ``reshard.derive`` lays out).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nereus.reshard.derive import DecoderSpec
+from nereus.reshard.layout import DTYPES, dtype_name
+
+_ARCHITECTURES = {
+    ("llama", "lm"): "LlamaForCausalLM",
+    ("qwen2", "lm"): "Qwen2ForCausalLM",
+    ("llama", "value"): "LlamaForTokenClassification",
+    ("qwen2", "value"): "Qwen2ForTokenClassification",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelArgs:
+    """A decoder: the shapes (``spec``, the same object reshard derives layouts from) plus
+    what only the forward needs. ``model_type`` ("llama" | "qwen2") only names the HF family."""
+
+    spec: DecoderSpec
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_seq_len: int = 2048
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.model_type not in ("llama", "qwen2"):
+            raise ValueError(f"model_type must be 'llama' or 'qwen2', got {self.model_type!r}")
+        if self.model_type == "qwen2" and not self.spec.qkv_bias:
+            raise ValueError("a qwen2 model always has q/k/v biases: set spec.qkv_bias=True")
+        if self.spec.dim_head % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.spec.dim_head}")
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping, *, dtype: str | None = None) -> ModelArgs:
+        """Read a HuggingFace ``config.json`` dict (Llama or Qwen2 family).
+
+        The head is "value" for ``*ForTokenClassification``/``*ForSequenceClassification``
+        with one label, else "lm". ``dtype`` overrides the config's ``torch_dtype``.
+        Features this model does not implement (rope scaling, sliding window, MLP bias,
+        activations other than SiLU) are rejected, naming the key.
+        """
+        model_type = config.get("model_type")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"config model_type={model_type!r}: only 'llama' and 'qwen2' are supported")
+        rope = config.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
+        for key in ("rope_scaling", "rope_parameters"):
+            r = config.get(key) or {}
+            if r.get("rope_type", r.get("type", "default")) != "default":
+                raise ValueError(f"config key {key!r}={r!r}: RoPE scaling is not supported by this model")
+        unsupported = {
+            "hidden_act": config.get("hidden_act", "silu") != "silu",
+            "use_sliding_window": bool(config.get("use_sliding_window", False)),
+            "mlp_bias": bool(config.get("mlp_bias", False)),
+        }
+        for key, bad in unsupported.items():
+            if bad:
+                raise ValueError(f"config key {key!r}={config[key]!r} is not supported by this model")
+        architecture = (config.get("architectures") or ["ForCausalLM"])[0]
+        head = "value" if architecture.endswith(("ForTokenClassification", "ForSequenceClassification")) else "lm"
+        if head == "value" and len(config.get("id2label", {"0": ""})) != 1:
+            raise ValueError(f"{architecture} with {len(config['id2label'])} labels: a value head has one")
+        heads = config["num_attention_heads"]
+        spec = DecoderSpec(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim"),
+            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            head=head,
+            dtype=dtype_name(dtype or config.get("torch_dtype") or config.get("dtype") or "float32"),
+        )
+        return cls(
+            spec=spec,
+            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_seq_len=int(config.get("max_position_embeddings", 2048)),
+            model_type=model_type,
+        )
+
+    def to_hf_config(self) -> dict:
+        """The HuggingFace ``config.json`` dict; ``from_hf_config`` of it gives back ``self``."""
+        s = self.spec
+        config = {
+            "architectures": [_ARCHITECTURES[self.model_type, s.head]],
+            "model_type": self.model_type,
+            "vocab_size": s.vocab_size,
+            "hidden_size": s.hidden_size,
+            "intermediate_size": s.intermediate_size,
+            "num_hidden_layers": s.num_layers,
+            "num_attention_heads": s.num_heads,
+            "num_key_value_heads": s.num_kv_heads,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_seq_len,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": s.tie_embeddings,
+            "torch_dtype": s.dtype,
+        }
+        if s.head_dim is not None:
+            config["head_dim"] = s.head_dim
+        if self.model_type == "llama":
+            config["attention_bias"] = s.qkv_bias
+        else:
+            config["use_sliding_window"] = False
+        if s.head == "value":
+            config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+        return config
+
+
+class KVCache:
+    """Keys and values of past tokens, per layer, preallocated to ``max_len`` slots.
+
+    ``k[layer]``/``v[layer]``: [B, kv_heads, max_len, head_dim]; slots ``[0, length)`` are
+    filled. ``key_mask`` [B, max_len] marks the slots holding real (not pad) tokens and
+    ``seen`` [B] counts real tokens per row, which gives the next position id. A forward
+    writes its T new tokens at slots ``[length, length + T)`` of every layer it holds, then
+    advances ``length``: the modules keep no state. ``kv_heads`` is the number of heads
+    this process computes (the local count under TP).
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        max_len: int,
+        layers: Iterable[str],
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch_size, kv_heads, max_len, head_dim)
+        self.batch_size, self.max_len, self.length = batch_size, max_len, 0
+        self.k = {name: torch.zeros(shape, dtype=dtype, device=device) for name in layers}
+        self.v = {name: torch.zeros(shape, dtype=dtype, device=device) for name in layers}
+        self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.seen = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    @classmethod
+    def for_model(cls, model: Decoder, batch_size: int, max_len: int) -> KVCache:
+        """A cache for the layers ``model`` holds, in its parameter dtype and device."""
+        p = next(model.parameters())
+        spec = model.args.spec
+        return cls(
+            batch_size=batch_size, max_len=max_len, layers=list(model.model.layers.keys()),
+            kv_heads=spec.num_kv_heads, head_dim=spec.dim_head, dtype=p.dtype, device=p.device,
+        )
+
+    def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v [B, kv_heads, T, d] of ``layer``; return all slots so far."""
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, d] of angle ``pos * theta^(-2i/d)``, i < d/2, repeated for both halves
+    (HF's layout). Computed in float32 from integer positions, then cast to ``dtype``."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    angles = position_ids.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, heads, T, d] by the angles of cos, sin [B, T, d]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, K, S, d] -> [B, K * n_rep, S, d], kv head k repeated for query heads k*n_rep.."""
+    if n_rep == 1:
+        return x
+    b, k, s, d = x.shape
+    return x[:, :, None].expand(b, k, n_rep, s, d).reshape(b, k * n_rep, s, d)
+
+
+def attention_mask_4d(key_mask: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
+    """Bool [B, 1, T, S]: query slot ``start + t`` sees key slot ``s`` iff ``s <= start + t`` and
+    ``key_mask[b, s]`` (a real token), or ``s == start + t`` (its own slot, never an empty row)."""
+    keys = torch.arange(key_mask.shape[1], device=key_mask.device)
+    queries = start + torch.arange(num_queries, device=key_mask.device)[:, None]
+    mask = (keys <= queries) & key_mask[:, None, :]
+    return (mask | (keys == queries))[:, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        s = args.spec
+        self.head_dim = s.dim_head
+        q, kv = s.num_heads * self.head_dim, s.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(s.hidden_size, q, bias=s.qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(s.hidden_size, kv, bias=s.qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(s.hidden_size, kv, bias=s.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q, s.hidden_size, bias=False, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        layer: str,
+    ) -> torch.Tensor:
+        """x [B, T, h]; mask bool [B, 1, T, S] or None for plain causal attention over x."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v)
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, i = args.spec.hidden_size, args.spec.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, eps = args.spec.hidden_size, args.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype)
+        self.self_attn = Attention(args, dtype)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype)
+        self.mlp = MLP(args, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        layer: str,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, kv_cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's ``model.``: embedding, layers keyed "0".."N-1", final norm (each may be absent)."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        s = args.spec
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(s.vocab_size, s.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, dtype) for i in range(s.num_layers)})
+        self.norm: RMSNorm | None = RMSNorm(s.hidden_size, args.rms_norm_eps, dtype)
+
+
+class Decoder(nn.Module):
+    """Causal LM (``lm_head``, or the tied embedding) or value model (``score``: one scalar
+    per position). ``state_dict()`` names are HF's and equal ``plan_parameters(args.spec)``."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        s, dtype = args.spec, DTYPES[args.spec.dtype]
+        self.args = args
+        self.model = DecoderStack(args, dtype)
+        self.lm_head: nn.Linear | None = None
+        self.score: nn.Linear | None = None
+        if s.head == "value":
+            self.score = nn.Linear(s.hidden_size, 1, bias=False, dtype=dtype)
+        elif not s.tie_embeddings:
+            self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V], values [B, T] (value head), or hidden states [B, T, h] (no final norm).
+
+        ``input_ids``: token ids [B, T] (int), or hidden states [B, T, h] (float) from the
+        previous pipeline stage. ``attention_mask``: bool [B, T], True for real tokens of
+        this call (pad slots are never attended to; earlier slots' mask lives in the cache).
+        ``position_ids`` default to the count of real tokens before each one (left padding
+        gives 0 at a row's first real token). With ``kv_cache`` the T tokens follow the
+        cached ones and the cache advances by T.
+        """
+        body = self.model
+        if input_ids.is_floating_point():
+            h = input_ids
+        elif body.embed_tokens is None:
+            raise ValueError("this stage has no embed_tokens: pass hidden states [B, T, h], not token ids")
+        else:
+            h = body.embed_tokens(input_ids)
+        position_ids, mask = self._positions_and_mask(h, position_ids, attention_mask, kv_cache)
+        rope = rope_cos_sin(position_ids, self.args.spec.dim_head, self.args.rope_theta, h.dtype)
+        for name, layer in body.layers.items():
+            h = layer(h, rope, mask, kv_cache, name)
+        if kv_cache is not None:
+            t = h.shape[1]
+            kv_cache.seen += kv_cache.key_mask[:, kv_cache.length : kv_cache.length + t].sum(1)
+            kv_cache.length += t
+        if body.norm is None:
+            return h
+        h = body.norm(h)
+        if self.score is not None:
+            return self.score(h).squeeze(-1)
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        if self.args.spec.tie_embeddings and self.args.spec.head == "lm":
+            if body.embed_tokens is None:
+                raise ValueError("tied embeddings: the last stage needs model.embed_tokens for the output projection")
+            return F.linear(h, body.embed_tokens.weight)
+        return h
+
+    @staticmethod
+    def _positions_and_mask(h, position_ids, attention_mask, kv_cache):
+        """Position ids [B, T] and the bool mask [B, 1, T, S] (None: plain causal over T)."""
+        b, t = h.shape[:2]
+        if kv_cache is None and attention_mask is None:
+            if position_ids is None:
+                position_ids = torch.arange(t, device=h.device).expand(b, t)
+            return position_ids, None
+        real = torch.ones(b, t, dtype=torch.bool, device=h.device) if attention_mask is None else attention_mask.bool()
+        start, seen, keys = 0, 0, real
+        if kv_cache is not None:
+            start, seen = kv_cache.length, kv_cache.seen[:, None]
+            if start + t > kv_cache.max_len:
+                raise ValueError(f"KV cache holds {kv_cache.max_len} slots; {start} used, {t} more asked")
+            kv_cache.key_mask[:, start : start + t] = real
+            keys = kv_cache.key_mask[:, : start + t]
+        if position_ids is None:
+            position_ids = (seen + real.long().cumsum(1) - 1).clamp(min=0)
+        return position_ids, attention_mask_4d(keys, start, t)
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Decoder:
+    """The model with uninitialised parameters on ``device`` (``meta`` by default: no memory)."""
+    with torch.device(device):
+        return Decoder(args)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic init after ``to_empty``: matrices ~ N(0, std), biases 0, norms 1.
+
+    Each parameter draws from its own CPU generator seeded by (seed, name), so a pipeline
+    stage, or a stage's copy of a tied embedding, gets the same values as the full model,
+    on any device. Plain (not yet distributed) tensors only.
+    """
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            g = torch.Generator().manual_seed(_param_seed(seed, name))
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
