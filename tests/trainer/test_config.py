@@ -1,0 +1,236 @@
+"""Job config loader: unknown keys with suggestions, types, overrides, plan validation, shipped configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+import yaml
+
+from nereus.reshard.derive import derive_emus
+from nereus.trainer.config import (
+    ConfigError,
+    JobConfig,
+    StageConfig,
+    config_to_dict,
+    decoder_spec,
+    load_config,
+)
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+SHIPPED = sorted(CONFIGS.glob("*.yaml"))
+TINY = CONFIGS / "tiny_ppo.yaml"
+
+
+def tiny(*overrides: str) -> JobConfig:
+    return load_config(TINY, list(overrides))
+
+
+def test_shipped_configs_exist() -> None:
+    names = {p.name for p in SHIPPED}
+    assert {"tiny_ppo.yaml", "tiny_grpo.yaml", "llama3_8b_ppo.yaml", "qwen2_5_7b_ppo.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_configs_load_validate_and_derive(path: pathlib.Path) -> None:
+    cfg = load_config(path)
+    assert load_config(config_to_dict(cfg)) == cfg  # the job record round trip
+    assert load_config(yaml.safe_load(yaml.safe_dump(config_to_dict(cfg)))) == cfg
+    for stage, sc in cfg.plan.stages().items():
+        _, model, head = cfg.stage_model(stage)
+        emus = derive_emus(
+            decoder_spec(model, head=head),
+            sc.parallel_config(cfg.nproc),
+            model=stage.split(".")[0],
+            stage=stage.split(".")[1],
+            dp_shard=sc.dp_shard,
+            fused=sc.fused,
+        )
+        ranks = {r for e in emus for r in e.ranks}
+        assert ranks == set(sc.ranks if sc.ranks is not None else range(cfg.nproc))
+
+
+def test_tiny_configs_use_different_layouts() -> None:
+    for name in ("tiny_ppo.yaml", "tiny_grpo.yaml"):
+        cfg = load_config(CONFIGS / name)
+        assert cfg.nproc == 4
+        layouts = {(s.dp, s.tp, s.pp, s.dp_shard, s.fused) for s in cfg.plan.stages().values()}
+        assert len(layouts) >= 2
+        assert cfg.model.vocab_size == 16  # from the task
+
+
+def test_gpu_model_shapes() -> None:
+    llama = load_config(CONFIGS / "llama3_8b_ppo.yaml").model
+    assert (llama.vocab_size, llama.hidden_size, llama.intermediate_size, llama.num_layers) == (128256, 4096, 14336, 32)
+    assert (llama.num_heads, llama.num_kv_heads, llama.rope_theta, llama.dtype) == (32, 8, 500000.0, "bfloat16")
+    assert not llama.tie_embeddings and not llama.qkv_bias
+    qwen = load_config(CONFIGS / "qwen2_5_7b_ppo.yaml").model
+    assert (qwen.vocab_size, qwen.hidden_size, qwen.intermediate_size, qwen.num_layers) == (152064, 3584, 18944, 28)
+    assert (qwen.num_heads, qwen.num_kv_heads, qwen.rope_theta, qwen.qkv_bias) == (28, 4, 1e6, True)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("ppo.kl_coeff=0.1", "unknown key 'ppo.kl_coeff' (did you mean 'ppo.kl_coef'?)"),
+        ("ppoo.lr=0.1", "unknown key 'ppoo' (did you mean 'ppo'?)"),
+        ("plan.actor.gen.tpp=2", "unknown key 'plan.actor.gen.tpp' (did you mean 'plan.actor.gen.tp'?)"),
+        ("model.hiden_size=32", "unknown key 'model.hiden_size' (did you mean 'model.hidden_size'?)"),
+        ("plan.actr.train.dp=1", "unknown key 'plan.actr' (did you mean 'plan.actor'?)"),
+    ],
+)
+def test_unknown_key_names_the_closest(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        tiny(override)
+    assert message in str(e.value)
+
+
+def test_unknown_key_in_a_dict_source() -> None:
+    data = config_to_dict(tiny())
+    data["rollout"]["max_new_token"] = 8
+    with pytest.raises(ConfigError, match=r"unknown key 'rollout.max_new_token' \(did you mean 'rollout.max_new_tokens'\?\)"):
+        load_config(data)
+    data = config_to_dict(tiny())
+    data["zzzz"] = 1
+    with pytest.raises(ConfigError, match="unknown key 'zzzz'; valid keys: seed, algorithm"):
+        load_config(data)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("ppo.lr=fast", "config key 'ppo.lr' expects float, got str 'fast'"),
+        ("ppo.epochs=1.5", "config key 'ppo.epochs' expects int, got float 1.5"),
+        ("ppo.epochs=true", "config key 'ppo.epochs' expects int, got bool True"),
+        ("ppo.whiten=1", "config key 'ppo.whiten' expects bool, got int 1"),
+        ("algorithm=dpo", "config key 'algorithm' must be one of 'ppo', 'grpo'; got 'dpo'"),
+        ("plan.actor.gen.ranks=[0, x, 2, 3]", "config key 'plan.actor.gen.ranks[1]' expects int, got str 'x'"),
+        ("plan.actor.gen.ranks=3", "config key 'plan.actor.gen.ranks' expects a list of int"),
+        ("plan.actor=7", "config key 'plan.actor' expects a section (ActorPlan), got int 7"),
+    ],
+)
+def test_wrong_types_name_the_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        tiny(override)
+    assert message in str(e.value)
+
+
+def test_overrides_nested_numeric_bool_and_null() -> None:
+    cfg = tiny(
+        "ppo.lr=1e-4",
+        "ppo.kl_in_reward=false",
+        "ppo.epochs=3",
+        "ppo.minibatch_size=8",
+        "rollout.temperature=0.7",
+        "plan.actor.gen.tp=2",
+        "plan.actor.gen.dp=2",
+        "plan.critic.infer.ranks=[3, 2, 1, 0]",
+        "critic={hidden_size: 32, num_heads: 2, num_kv_heads: 2, intermediate_size: 64}",
+        "run_dir=/tmp/x",
+        "seed=7",
+    )
+    assert cfg.ppo.lr == 1e-4 and isinstance(cfg.ppo.lr, float)
+    assert cfg.ppo.kl_in_reward is False and cfg.ppo.epochs == 3
+    assert cfg.rollout.temperature == 0.7
+    assert cfg.plan.actor.gen == StageConfig(dp=2, tp=2)
+    assert cfg.plan.critic.infer.ranks == (3, 2, 1, 0)
+    assert cfg.critic is not None and cfg.critic_model.hidden_size == 32 and cfg.critic.vocab_size == 16
+    assert cfg.model.hidden_size == 64  # untouched
+    assert (cfg.run_dir, cfg.seed) == ("/tmp/x", 7)
+    assert tiny("ppo.lr=5").ppo.lr == 5.0  # int accepted for float
+    assert tiny("critic=null").critic is None
+
+
+def test_yaml_files_read_exponent_floats(tmp_path: pathlib.Path) -> None:
+    text = TINY.read_text().replace("lr: 1.0e-3", "lr: 3e-4")
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    assert load_config(path).ppo.lr == 3e-4
+
+
+def test_override_syntax_errors() -> None:
+    with pytest.raises(ConfigError, match="must look like key.sub=value"):
+        tiny("ppo.lr")
+    with pytest.raises(ConfigError, match="'ppo.lr' is a value, not a section"):
+        tiny("ppo.lr.x=1")
+    with pytest.raises(ConfigError, match="override 'plan.actor.gen.ranks=\\[0, 1': the value is not valid YAML"):
+        tiny("plan.actor.gen.ranks=[0, 1")
+
+
+def test_plan_must_match_the_world() -> None:
+    with pytest.raises(ConfigError, match=r"plan 'actor.train': dp=2 · tp=2 · pp=1 needs 4 ranks, but nproc=8"):
+        tiny("nproc=8")
+    with pytest.raises(ConfigError, match=r"plan 'critic.train': dp=4 · tp=1 · pp=1 needs 4 ranks, got 3: \(0, 1, 2\)"):
+        tiny("plan.critic.train.ranks=[0, 1, 2]")
+    with pytest.raises(ConfigError, match=r"plan 'ref.infer': rank 4 is out of range for nproc=4"):
+        tiny("plan.ref.infer.ranks=[0, 1, 2, 4]")
+    with pytest.raises(ConfigError, match=r"plan 'ref.infer': ranks \(0, 1, 1, 2\) repeat a rank"):
+        tiny("plan.ref.infer.ranks=[0, 1, 1, 2]")
+    with pytest.raises(ConfigError, match=r"plan 'actor.gen': tp=0 must be >= 1"):
+        tiny("plan.actor.gen.tp=0")
+    # a subset of ranks is fine
+    cfg = tiny("plan.ref.infer={dp: 1, tp: 2, ranks: [2, 3]}")
+    assert cfg.plan.ref.infer.parallel_config(4).ranks == (2, 3)
+
+
+def test_plan_must_fit_the_model() -> None:
+    with pytest.raises(ConfigError, match=r"plan 'actor.train' \(tp=8, pp=1\) does not fit 'model': tp=8 does not divide num_heads=4"):
+        tiny("nproc=8", "plan.actor.train={tp: 8, ranks: [0, 1, 2, 3, 4, 5, 6, 7]}")
+    with pytest.raises(ConfigError, match=r"plan 'critic.train' \(tp=1, pp=4\) does not fit 'model': pp=4 is larger than the number of layers \(2\)"):
+        tiny("plan.critic.train={pp: 4}")
+    with pytest.raises(ConfigError, match=r"does not fit 'critic': tp=4 does not divide num_heads=2"):
+        tiny("critic={num_heads: 2, num_kv_heads: 1}", "plan.critic.infer={tp: 4}")
+    qwen = CONFIGS / "qwen2_5_7b_ppo.yaml"
+    with pytest.raises(ConfigError, match=r"plan 'actor.gen' \(tp=8, pp=1\) does not fit 'model': tp=8 does not divide num_heads=28"):
+        load_config(qwen, ["plan.actor.gen.tp=8", "plan.actor.gen.dp=8"])
+
+
+def test_stages_the_algorithm_needs() -> None:
+    with pytest.raises(ConfigError, match="grpo has no critic"):
+        tiny("algorithm=grpo")
+    with pytest.raises(ConfigError, match="plan 'critic.infer' is missing"):
+        tiny("plan.critic.infer=null")
+    with pytest.raises(ConfigError, match="plan 'ref.infer' is missing"):
+        tiny("plan.ref=null")
+    assert tiny("plan.ref=null", "ppo.kl_coef=0").plan.ref is None  # no KL, no reference
+    with pytest.raises(ConfigError, match="plan 'reward.infer' is set, but there is no reward_model"):
+        tiny("plan.reward.infer={dp: 4}")
+    with pytest.raises(ConfigError, match="plan 'reward.infer' is missing"):
+        tiny("reward_model={}")
+    assert tiny("reward_model={}", "plan.reward.infer={dp: 4}").reward_model.vocab_size == 16
+    with pytest.raises(ConfigError, match="fused buffers are a rollout layout"):
+        tiny("plan.actor.train.fused=true")
+    with pytest.raises(ConfigError, match="missing config key 'plan'"):
+        load_config({"nproc": 1})
+
+
+def test_value_ranges_and_sizes() -> None:
+    with pytest.raises(ConfigError, match="'ppo.gamma' must be in \\[0, 1\\], got 1.5"):
+        tiny("ppo.gamma=1.5")
+    with pytest.raises(ConfigError, match="'ppo.minibatch_size'=12 must divide the batch of 32"):
+        tiny("ppo.minibatch_size=12")
+    with pytest.raises(ConfigError, match="'actor.train': dp=2 does not divide ppo.minibatch_size=1"):
+        tiny("ppo.minibatch_size=1")
+    with pytest.raises(ConfigError, match="'rollout.max_new_tokens'=5 is shorter than the 7 tokens"):
+        tiny("rollout.max_new_tokens=5")
+    with pytest.raises(ConfigError, match="'model.max_seq_len'=10 is shorter than a prompt"):
+        tiny("model.max_seq_len=10")
+    with pytest.raises(ConfigError, match="'rollout.samples_per_prompt' must be >= 2 for grpo"):
+        load_config(CONFIGS / "tiny_grpo.yaml", ["rollout.samples_per_prompt=1", "grpo.minibatch_size=8"])
+    with pytest.raises(ConfigError, match="config section 'model': num_kv_heads=3 must divide num_heads=4"):
+        tiny("model.num_kv_heads=3")
+    with pytest.raises(ConfigError, match="config section 'task': repeat task: digits=0"):
+        tiny("task.digits=0")
+
+
+def test_errors_name_the_file() -> None:
+    with pytest.raises(ConfigError, match=r"tiny_ppo.yaml: unknown key 'ppo.kl_coeff'"):
+        tiny("ppo.kl_coeff=1")
+
+
+def test_config_is_frozen() -> None:
+    cfg = tiny()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 3  # type: ignore[misc]
+    assert cfg.batch_size == 32 and cfg.critic_model == cfg.model

@@ -1,0 +1,506 @@
+"""The job config: one typed tree of frozen dataclasses, a YAML loader and its validation.
+
+``load_config(path_or_dict, overrides)`` reads YAML (YAML 1.2 floats: ``1e-4`` is a float,
+not PyYAML's string), applies ``key.sub=value`` overrides (values parsed by the same YAML
+scalar rules), builds the tree field by field from the dataclass annotations and then
+validates it. Every error is a ``ConfigError`` naming the full dotted key:
+
+    unknown key 'ppo.kl_coeff' (did you mean 'ppo.kl_coef'?)
+    config key 'ppo.lr' expects float, got str 'fast'
+    plan 'actor.train': dp=2 · tp=2 · pp=1 needs 4 ranks, got 3: (0, 1, 2)
+
+The plan places each model-stage (``actor.train``, ``actor.gen``, ``critic.train``,
+``critic.infer``, ``ref.infer``, ``reward.infer``) on global ranks with its own (dp, tp, pp);
+ranks default to all ``nproc`` ranks. Validation checks each model-stage against the world
+(dp·tp·pp = its rank count, every rank < nproc) and against its model's shapes through
+``nereus.reshard.derive`` (tp divides heads/vocab/intermediate, pp ≤ layers), so a bad
+plan fails here with the model-stage named rather than inside the reshard planner.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from ..reshard.derive import DecoderSpec, check_tp, plan_layer_ranges
+from ..reshard.errors import LayoutError
+from ..reshard.layout import ParallelConfig
+from .tasks import Task, make_task
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message names the dotted key at fault."""
+
+
+# --------------------------------------------------------------------------- the tree
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """Decoder shapes (Llama/Qwen2 family). With ``path`` (an HF directory) the weights come
+    from there; the sizes are still required, because plans are validated before any file is
+    read, and the model builder checks them against the directory's config.json."""
+
+    path: str | None = None
+    vocab_size: int | None = None  # None: the task's vocabulary (models trained from scratch)
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_seq_len: int = 32
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskConfig:
+    name: Literal["repeat", "count"] = "repeat"  # see trainer/tasks.py
+    digits: int = 3  # digits in the prompt
+    response_len: int = 6  # answer digits before <eos>
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PPOConfig:
+    lr: float = 1e-3
+    critic_lr: float = 1e-3
+    clip: float = 0.2  # ratio clip ε
+    value_clip: float = 0.2
+    kl_coef: float = 0.01  # β
+    kl_in_reward: bool = True  # k1 penalty in the token rewards; False: k3 loss term
+    gamma: float = 1.0
+    lam: float = 0.95
+    epochs: int = 2
+    minibatch_size: int = 16
+    whiten: bool = True
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GRPOConfig:
+    lr: float = 1e-3
+    clip: float = 0.2
+    kl_coef: float = 0.01  # β of the k3 loss term
+    scale_by_std: bool = True  # False: Dr. GRPO
+    eps: float = 1e-4
+    epochs: int = 2
+    minibatch_size: int = 16
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageConfig:
+    """Parallel config of one model-stage; ``ranks`` None = all ranks 0 … nproc−1."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ranks: tuple[int, ...] | None = None
+    dp_shard: bool = False  # shard state over dp (FSDP2) instead of replicating it
+    fused: bool = False  # actor.gen only: vLLM-style fused qkv / gate_up buffers
+
+    def parallel_config(self, nproc: int) -> ParallelConfig:
+        ranks = self.ranks if self.ranks is not None else tuple(range(nproc))
+        return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, ranks=ranks)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActorPlan:
+    train: StageConfig
+    gen: StageConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CriticPlan:
+    train: StageConfig | None = None
+    infer: StageConfig | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InferPlan:
+    infer: StageConfig | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanConfig:
+    actor: ActorPlan
+    critic: CriticPlan | None = None
+    ref: InferPlan | None = None
+    reward: InferPlan | None = None
+
+    def stages(self) -> dict[str, StageConfig]:
+        """The model-stages this plan places, by dotted name ("actor.train", …)."""
+        out: dict[str, StageConfig] = {}
+        for model in ("actor", "critic", "ref", "reward"):
+            sub = getattr(self, model)
+            if sub is None:
+                continue
+            for f in dataclasses.fields(sub):
+                stage = getattr(sub, f.name)
+                if stage is not None:
+                    out[f"{model}.{f.name}"] = stage
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    seed: int = 0
+    algorithm: Literal["ppo", "grpo"] = "ppo"
+    steps: int = 40
+    nproc: int = 1
+    run_dir: str = "runs/default"
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
+    model: ModelConfig = field(default_factory=ModelConfig)
+    critic: ModelConfig | None = None  # None: the actor's shapes, with a value head
+    reward_model: ModelConfig | None = None  # None: the task's rule reward
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    plan: PlanConfig
+
+    @property
+    def critic_model(self) -> ModelConfig:
+        return self.critic if self.critic is not None else self.model
+
+    @property
+    def batch_size(self) -> int:
+        """Responses per step: prompts × samples per prompt."""
+        return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+
+    def stage_model(self, stage: str) -> tuple[str, ModelConfig, str]:
+        """(config key, model config, head) of a dotted model-stage name."""
+        model = stage.split(".")[0]
+        if model == "critic":
+            return ("critic" if self.critic is not None else "model"), self.critic_model, "value"
+        if model == "reward":
+            assert self.reward_model is not None
+            return "reward_model", self.reward_model, "value"
+        return "model", self.model, "lm"
+
+
+def decoder_spec(model: ModelConfig, *, head: str = "lm") -> DecoderSpec:
+    """The reshard DecoderSpec of a (vocab-resolved) model config."""
+    if model.vocab_size is None:
+        raise ConfigError("model vocab_size is unresolved; load the config with load_config")
+    return DecoderSpec(
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        qkv_bias=model.qkv_bias,
+        tie_embeddings=model.tie_embeddings,
+        head=head,
+        dtype=model.dtype,
+    )
+
+
+# --------------------------------------------------------------------------- YAML and building
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats (``1e-4``, ``5E3``), which PyYAML reads as strings."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _type_name(tp: object) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(value: object, tp: object, key: str) -> object:
+    """``value`` as annotation ``tp``, or a ConfigError naming ``key``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, key)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config key '{key}' expects a section ({tp.__name__}), got {type(value).__name__} {value!r}")
+        return _build(tp, value, key + ".")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, args))}; got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}' expects a list of {_type_name(args[0])}, got {type(value).__name__} {value!r}")
+        return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(tp)  # type: ignore[call-overload]
+    if ok is None:
+        raise TypeError(f"config annotation {tp!r} of '{key}' is not supported")
+    if not ok:
+        raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return float(value) if tp is float else value
+
+
+def _build(cls: type, data: Mapping, prefix: str = "") -> object:
+    """A ``cls`` from a mapping; unknown keys are rejected with the closest valid key."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown key '{prefix}{key}'{hint}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in kwargs]
+    if missing:
+        raise ConfigError(f"missing config key '{prefix}{missing[0]}'")
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """A copy of ``data`` with each ``a.b.c=value`` set; values use YAML scalar rules."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        try:
+            value = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({e.problem})") from None
+        parts = key.strip().split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
+    """Plain dicts, lists and scalars (for YAML/JSON job records); ``load_config`` inverts it."""
+    plain = _plain(cfg)
+    assert isinstance(plain, dict)
+    return plain
+
+
+def _plain(x: object) -> object:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, (tuple, list)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def load_config(source: str | os.PathLike | Mapping, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read, override, build and validate a job config (see the module docstring)."""
+    where = ""
+    if isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        where = f"{os.fspath(source)}: "
+        with open(source) as f:
+            try:
+                data = yaml.load(f, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{where}not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}a job config must be a mapping at the top level")
+    try:
+        cfg = _build(JobConfig, apply_overrides(data, overrides))
+        assert isinstance(cfg, JobConfig)
+        cfg = _resolve_vocab(cfg)
+        validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{where}{e}") from None
+    return cfg
+
+
+def _resolve_vocab(cfg: JobConfig) -> JobConfig:
+    """Fill ``vocab_size: null`` with the task's vocabulary size."""
+    vocab = _task(cfg).vocab_size
+    fix = {}
+    for key in ("model", "critic", "reward_model"):
+        m = getattr(cfg, key)
+        if m is not None and m.vocab_size is None:
+            fix[key] = dataclasses.replace(m, vocab_size=vocab)
+    return dataclasses.replace(cfg, **fix) if fix else cfg
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(cfg: JobConfig) -> None:
+    """Raise ConfigError unless the job can run: values in range, plan fits world and models."""
+    _check_values(cfg)
+    _check_task(cfg)
+    _check_plan_stages(cfg)
+    for stage, sc in cfg.plan.stages().items():
+        _check_stage(cfg, stage, sc)
+
+
+def _check_values(cfg: JobConfig) -> None:
+    r, ppo, grpo = cfg.rollout, cfg.ppo, cfg.grpo
+    checks = [
+        ("nproc", cfg.nproc >= 1, ">= 1"),
+        ("steps", cfg.steps >= 1, ">= 1"),
+        ("checkpoint_every", cfg.checkpoint_every >= 0, ">= 0"),
+        ("rollout.prompts_per_step", r.prompts_per_step >= 1, ">= 1"),
+        ("rollout.samples_per_prompt", r.samples_per_prompt >= (2 if cfg.algorithm == "grpo" else 1), ">= 2 for grpo, >= 1"),
+        ("rollout.max_new_tokens", r.max_new_tokens >= 1, ">= 1"),
+        ("rollout.temperature", r.temperature > 0, "> 0"),
+        ("rollout.top_p", 0 < r.top_p <= 1, "in (0, 1]"),
+        ("ppo.lr", ppo.lr > 0, "> 0"),
+        ("ppo.critic_lr", ppo.critic_lr > 0, "> 0"),
+        ("ppo.clip", ppo.clip > 0, "> 0"),
+        ("ppo.value_clip", ppo.value_clip > 0, "> 0"),
+        ("ppo.kl_coef", ppo.kl_coef >= 0, ">= 0"),
+        ("ppo.gamma", 0 <= ppo.gamma <= 1, "in [0, 1]"),
+        ("ppo.lam", 0 <= ppo.lam <= 1, "in [0, 1]"),
+        ("ppo.epochs", ppo.epochs >= 1, ">= 1"),
+        ("grpo.lr", grpo.lr > 0, "> 0"),
+        ("grpo.clip", grpo.clip > 0, "> 0"),
+        ("grpo.kl_coef", grpo.kl_coef >= 0, ">= 0"),
+        ("grpo.eps", grpo.eps > 0, "> 0"),
+        ("grpo.epochs", grpo.epochs >= 1, ">= 1"),
+    ]
+    for key, ok, want in checks:
+        if not ok:
+            raise ConfigError(f"config key '{key}' must be {want}, got {_get(cfg, key)!r}")
+    algo = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+    mb = algo.minibatch_size
+    if mb < 1 or cfg.batch_size % mb:
+        raise ConfigError(
+            f"config key '{cfg.algorithm}.minibatch_size'={mb} must divide the batch of "
+            f"{cfg.batch_size} responses (rollout.prompts_per_step × rollout.samples_per_prompt)"
+        )
+
+
+def _get(cfg: object, key: str) -> object:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _task(cfg: JobConfig) -> Task:
+    try:
+        return make_task(cfg.task.name, digits=cfg.task.digits, response_len=cfg.task.response_len)
+    except ValueError as e:
+        raise ConfigError(f"config section 'task': {e}") from None
+
+
+def _check_task(cfg: JobConfig) -> None:
+    task = _task(cfg)
+    if cfg.rollout.max_new_tokens < task.max_answer_len:
+        raise ConfigError(
+            f"config key 'rollout.max_new_tokens'={cfg.rollout.max_new_tokens} is shorter than the "
+            f"{task.max_answer_len} tokens of the task's longest answer (reward 1 is unreachable)"
+        )
+    for key in ("model", "critic", "reward_model"):
+        m = getattr(cfg, key)
+        if m is None:
+            continue
+        if m.vocab_size is not None and m.vocab_size < task.vocab_size:
+            raise ConfigError(f"config key '{key}.vocab_size'={m.vocab_size} is smaller than the task's {task.vocab_size} tokens")
+        if m.max_seq_len < task.prompt_len + cfg.rollout.max_new_tokens:
+            raise ConfigError(
+                f"config key '{key}.max_seq_len'={m.max_seq_len} is shorter than a prompt ({task.prompt_len}) "
+                f"plus rollout.max_new_tokens ({cfg.rollout.max_new_tokens})"
+            )
+        try:
+            decoder_spec(m)
+        except LayoutError as e:
+            raise ConfigError(f"config section '{key}': {e}") from None
+
+
+def _check_plan_stages(cfg: JobConfig) -> None:
+    """Which model-stages the algorithm needs, and no others."""
+    stages = cfg.plan.stages()
+    need = ["actor.train", "actor.gen"]
+    if cfg.algorithm == "ppo":
+        need += ["critic.train", "critic.infer"]
+    elif any(s.startswith("critic.") for s in stages):
+        raise ConfigError("plan 'critic' is set, but grpo has no critic")
+    kl = cfg.ppo.kl_coef if cfg.algorithm == "ppo" else cfg.grpo.kl_coef
+    if kl > 0:
+        need.append("ref.infer")
+    if cfg.reward_model is not None:
+        need.append("reward.infer")
+    elif "reward.infer" in stages:
+        raise ConfigError("plan 'reward.infer' is set, but there is no reward_model (the task's rule reward runs anywhere)")
+    for stage in need:
+        if stage not in stages:
+            raise ConfigError(f"plan '{stage}' is missing: {cfg.algorithm} needs {', '.join(need)}")
+
+
+def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig) -> None:
+    """dp·tp·pp = rank count, ranks in the world, and tp/pp fit the stage's model."""
+    name = f"plan '{stage}'"
+    for key in ("dp", "tp", "pp"):
+        if getattr(sc, key) < 1:
+            raise ConfigError(f"{name}: {key}={getattr(sc, key)} must be >= 1")
+    ranks = sc.ranks if sc.ranks is not None else tuple(range(cfg.nproc))
+    need = sc.dp * sc.tp * sc.pp
+    if len(ranks) != need:
+        source = f"got {len(ranks)}: {ranks}" if sc.ranks is not None else f"but nproc={cfg.nproc} (ranks default to all)"
+        raise ConfigError(f"{name}: dp={sc.dp} · tp={sc.tp} · pp={sc.pp} needs {need} ranks, {source}")
+    bad = [r for r in ranks if not 0 <= r < cfg.nproc]
+    if bad:
+        raise ConfigError(f"{name}: rank {bad[0]} is out of range for nproc={cfg.nproc} (ranks {ranks})")
+    if len(set(ranks)) != len(ranks):
+        raise ConfigError(f"{name}: ranks {ranks} repeat a rank")
+    if sc.fused and stage != "actor.gen":
+        raise ConfigError(f"{name}: fused buffers are a rollout layout, allowed on 'actor.gen' only")
+    if sc.fused and sc.dp_shard:
+        raise ConfigError(f"{name}: fused (rollout) buffers cannot also shard state over dp (dp_shard)")
+    key, model, head = cfg.stage_model(stage)
+    try:
+        check_tp(decoder_spec(model, head=head), sc.tp)
+        plan_layer_ranges(model.num_layers, sc.pp)
+    except LayoutError as e:
+        raise ConfigError(f"{name} (tp={sc.tp}, pp={sc.pp}) does not fit '{key}': {e}") from None
+    algo = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+    if stage.endswith(".train") and algo.minibatch_size % sc.dp:
+        raise ConfigError(f"{name}: dp={sc.dp} does not divide {cfg.algorithm}.minibatch_size={algo.minibatch_size}")
+    if stage == "actor.gen" and cfg.batch_size % sc.dp:
+        raise ConfigError(f"{name}: dp={sc.dp} does not divide the rollout batch of {cfg.batch_size} responses")
