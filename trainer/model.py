@@ -181,12 +181,19 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: Decoder, batch_size: int, max_len: int) -> KVCache:
-        """A cache for the layers ``model`` holds, in its parameter dtype and device."""
+        """A cache for the layers ``model`` holds, in its parameter dtype and device, with as
+        many KV heads as this rank computes (all of them, or its TP share)."""
         p = next(model.parameters())
         spec = model.args.spec
+        layers = list(model.model.layers.keys())
+        kv_heads = spec.num_kv_heads
+        if layers:  # TP-local heads: the rows of this rank's k_proj (a DTensor's local shard)
+            weight = model.model.layers[layers[0]].self_attn.k_proj.weight
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            kv_heads = local.shape[0] // spec.dim_head
         return cls(
-            batch_size=batch_size, max_len=max_len, layers=list(model.model.layers.keys()),
-            kv_heads=spec.num_kv_heads, head_dim=spec.dim_head, dtype=p.dtype, device=p.device,
+            batch_size=batch_size, max_len=max_len, layers=layers,
+            kv_heads=kv_heads, head_dim=spec.dim_head, dtype=p.dtype, device=p.device,
         )
 
     def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,7 +383,7 @@ class Decoder(nn.Module):
             return h
         h = body.norm(h)
         if self.score is not None:
-            return self.score(h).squeeze(-1)
+            return self.score(h)[..., 0].clone()  # a fresh tensor: FSDP2 hooks must not see a view
         if self.lm_head is not None:
             return self.lm_head(h)
         if self.args.spec.tie_embeddings and self.args.spec.head == "lm":
