@@ -1,0 +1,193 @@
+"""One front door for executing a transition: stream what live ranks hold, load the rest.
+
+:func:`execute` runs a transfer plan on every rank of a process group (SPMD). A plan
+built with ``staged=True`` marks regions whose source ranks are gone as read from the
+staged checkpoint (``src_rank == STAGED``); one transition may mix both per EMU. Order:
+
+1. each rank checks its staged part (the boxes it reads exist whole, crc32 when
+   ``checksums``) without touching any buffer;
+2. :func:`~nereus.reshard.stream.execute_stream` validates its own part and AGREES across
+   the group: a problem on any rank (staged or stream) makes every rank raise the same
+   error before any byte moves;
+3. the stream runs (live ranks, point-to-point), then this rank loads its staged regions
+   into the same target buffers through DCP (:func:`~nereus.reshard.staged.load_staged`).
+
+:func:`reshard_staged` is the full fallback on live ranks, for when no memory-feasible
+stream schedule exists: every rank stages its source boxes, the group agrees (which is
+also the barrier), sources are released if the caller handed them over, then every rank
+loads all its target regions from the staged checkpoint. Peak memory per rank is then
+``max(source, target)`` instead of up to ``source + target``.
+
+:func:`reshard` is the documented pattern tying them together: plan the transition graph
+under a memory budget; if the graph planner raises :class:`MemoryBudgetError`, fall back to
+:func:`reshard_staged` (the decision is a pure function of the plan, so every rank takes
+the same branch).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection, MutableMapping
+
+import torch
+
+from .errors import MemoryBudgetError, ReshardError, TransferError
+from .layout import DTYPES
+from .plan import STAGED, Transfer, TransferPlan
+from .staged import check_staged, load_staged, save_staged, staged_transfers
+from .stream import StagingArena, StreamResult, StreamStats, agree, execute_stream, group_ranks
+
+
+def _verdict(step: Callable[[], object]) -> tuple[str, str] | None:
+    """Run a local step; its failure becomes ``(error class name, message)`` for the
+    group's agreement (an I/O failure counts as a TransferError)."""
+    try:
+        step()
+    except (ReshardError, TransferError) as e:
+        return type(e).__name__, str(e)
+    except OSError as e:
+        return "TransferError", f"I/O error: {e}"
+    return None
+
+
+def execute(
+    plan: TransferPlan,
+    graph,
+    src_buffers: MutableMapping[str, torch.Tensor],
+    *,
+    rank: int,
+    group=None,
+    dst_buffers: MutableMapping[str, torch.Tensor] | None = None,
+    staged_path: str | None = None,
+    checksums: bool = False,
+    release_sources: bool = False,
+    timeout: float = 300.0,
+    staging: StagingArena | None = None,
+) -> StreamResult:
+    """Run ``plan`` on this rank: stream from live ranks, load staged regions from
+    ``staged_path``. Every rank of ``group`` calls it; ranks that are gone do not.
+
+    Returns this rank's target buffers (a :class:`StreamResult`, with ``.stats``).
+    Raises, on every rank and before any byte moves, CoverageError when the plan reads
+    staged regions but ``staged_path`` is None or lacks a box, TransferError when a staged
+    box fails its crc32 (``checksums``), ProcessGroupError for stream problems.
+    """
+    mine = staged_transfers(plan, rank)
+
+    def precheck() -> None:  # without a path, every rank names the plan's staged regions
+        check_staged(staged_path, mine if staged_path else _all_staged(plan), checksums=checksums)
+
+    result = execute_stream(
+        plan,
+        graph,
+        src_buffers,
+        rank=rank,
+        group=group,
+        dst_buffers=dst_buffers,
+        checksums=checksums,
+        timeout=timeout,
+        release_sources=release_sources,
+        staging=staging,
+        extra_error=_verdict(precheck),
+    )
+    if mine:
+        result.stats.bytes_staged = load_staged(staged_path, plan, rank, result, transfers=mine, verified=True)
+        if dst_buffers is not None:
+            dst_buffers.update(result)
+    return result
+
+
+def _all_staged(plan: TransferPlan) -> list[Transfer]:
+    return [t for t in plan.transfers if t.src_rank == STAGED]
+
+
+def reshard_staged(
+    plan: TransferPlan,
+    src_buffers: MutableMapping[str, torch.Tensor],
+    *,
+    rank: int,
+    path: str,
+    group=None,
+    live: Collection[int] | None = None,
+    dst_buffers: MutableMapping[str, torch.Tensor] | None = None,
+    checksums: bool = False,
+    release_sources: bool = False,
+) -> StreamResult:
+    """The whole transition through a staged checkpoint at ``path`` (every group rank).
+
+    ``live``: ranks whose source buffers may be staged (default: the group's ranks);
+    boxes no live rank holds must already be in ``path``. With ``release_sources`` this
+    rank's source buffers are popped from ``src_buffers`` once every box is staged and
+    verified; otherwise local regions are copied in memory and sources stay intact.
+    """
+    members = group_ranks(group)
+    live = set(members) if live is None else set(live)
+    verdict = _verdict(lambda: save_staged(path, plan.src_layouts, src_buffers, rank=rank, live=live, checksums=checksums))
+    agree(verdict, group=group, rank=rank, members=members)  # also the barrier: all boxes are staged
+    wanted = [t for t in plan.transfers if t.dst_rank == rank]
+    local = [] if release_sources else [t for t in wanted if t.src_rank == rank]
+    loads = [t for t in wanted if release_sources or t.src_rank != rank]
+    agree(_verdict(lambda: check_staged(path, loads, checksums=checksums)), group=group, rank=rank, members=members)
+    if release_sources:
+        for name in plan.src_buffers.get(rank, {}):
+            src_buffers.pop(name, None)
+    out = StreamResult(dst_buffers or {})
+    out.stats = StreamStats()
+    for name, spec in plan.dst_buffers.get(rank, {}).items():
+        if name not in out:
+            out[name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+    for t in local:
+        t.dst_view(out).copy_(t.src_view(src_buffers))
+        out.stats.bytes_copied += t.nbytes
+    out.stats.bytes_staged = load_staged(path, plan, rank, out, transfers=loads, verified=True)
+    if dst_buffers is not None:
+        dst_buffers.update(out)
+    return out
+
+
+def plan_or_stage(plan: TransferPlan, *, budget=None, release_sources: bool = False, **graph_kwargs):
+    """The transition graph under ``budget``, or None when no stream schedule fits it
+    (the caller then takes the staged path). Pure: every rank gets the same answer."""
+    from .arrays import arrays_from_plan
+    from .graph import plan_graph
+
+    try:
+        return plan_graph(arrays_from_plan(plan), budget=budget, release_sources=release_sources, **graph_kwargs)
+    except MemoryBudgetError:
+        return None
+
+
+def reshard(
+    plan: TransferPlan,
+    src_buffers: MutableMapping[str, torch.Tensor],
+    *,
+    rank: int,
+    group=None,
+    budget=None,
+    staged_path: str | None = None,
+    dst_buffers: MutableMapping[str, torch.Tensor] | None = None,
+    checksums: bool = False,
+    release_sources: bool = False,
+    timeout: float = 300.0,
+) -> StreamResult:
+    """Stream under ``budget`` when a schedule fits, else go through ``staged_path``.
+
+    ``result.stats.rounds == 0`` and ``bytes_staged > 0`` tell the caller the staged path
+    ran. Without a staged path an infeasible budget re-raises the MemoryBudgetError.
+    """
+    graph = plan_or_stage(plan, budget=budget, release_sources=release_sources)
+    if graph is not None:
+        return execute(
+            plan, graph, src_buffers, rank=rank, group=group, dst_buffers=dst_buffers, staged_path=staged_path,
+            checksums=checksums, release_sources=release_sources, timeout=timeout,
+        )
+    if staged_path is None:
+        raise MemoryBudgetError(
+            f"no stream schedule fits the memory budget {budget!r} and no staged_path was given for the fallback"
+        )
+    return reshard_staged(
+        plan, src_buffers, rank=rank, path=staged_path, group=group, dst_buffers=dst_buffers,
+        checksums=checksums, release_sources=release_sources,
+    )
+
+
+__all__ = ["execute", "reshard_staged", "plan_or_stage", "reshard"]

@@ -1,0 +1,186 @@
+"""Bad input is rejected on EVERY rank before any byte moves, naming the culprit; the
+source state is intact afterwards; a memory budget no stream schedule meets goes staged.
+
+All scenarios run in one 2-rank spawn (module fixture), one after the other on the same
+process group — which also shows that a rejected transition leaves the group usable.
+The last scenario (a peer that never sends) breaks the group, so it runs last.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nereus.reshard.derive import derive_emus
+from nereus.reshard.layout import ParallelConfig
+from nereus.reshard.plan import plan_transfers
+from nereus.reshard.reference import mismatches, reference_state
+from nereus.reshard.staged import box_file, save_staged
+from tests.distributed_harness import run_distributed
+
+from .strategies import tiny_spec
+from .test_stream import derived, graph_for
+
+DOWN = "model.layers.0.mlp.down_proj.weight"  # (32, 64), tp=2 splits dim 1: rank 1 holds columns 32..64
+
+
+def _on(ranks, stage, **kw):
+    return derive_emus(tiny_spec(), ParallelConfig(tp=len(ranks), ranks=tuple(ranks)), model="actor", stage=stage, **kw)
+
+
+class _NoRounds:
+    """A graph under which this rank has nothing to do (to play a peer that never sends)."""
+
+    def ops_for(self, rank):
+        return []
+
+
+def _attempt(out: dict, key: str, rank: int, plan, src, fn) -> None:
+    try:
+        fn()
+        out[key] = ("ok", "")
+    except Exception as e:  # noqa: BLE001 - the parent asserts on class and message
+        out[key] = (type(e).__name__, str(e))
+    out[key + "/source"] = mismatches(src, plan.src_layouts.values(), rank)
+
+
+def _scenarios(rank: int, world: int, root: str) -> dict:
+    from nereus.reshard import stream
+    from nereus.reshard.execute import execute, plan_or_stage, reshard
+
+    out: dict = {}
+    tp2, tp1 = derived(dict(tp=2), stage="s"), derived(dict(tp=1), stage="t")
+    plan = plan_transfers(tp2, tp1)
+    src = reference_state(plan.src_layouts.values(), rank)
+
+    big = plan_transfers(derived(dict(tp=4), stage="s"), tp1)  # names ranks 2 and 3
+    _attempt(out, "outside", rank, plan, src, lambda: execute(big, graph_for(big), src, rank=rank))
+
+    broken = dict(src)
+    if rank == 1:
+        del broken["model.embed_tokens.weight"]
+    else:
+        broken["lm_head.weight"] = torch.zeros(3, 5)
+    _attempt(out, "buffers", rank, plan, src, lambda: execute(plan, graph_for(plan), broken, rank=rank))
+
+    staged = plan_transfers(tp2, tp1, live={0}, staged=True)  # rank 1's shards: staged only
+    _attempt(out, "no path", rank, plan, src, lambda: execute(staged, graph_for(staged), src, rank=rank))
+
+    if rank == 0:  # rank 0 stages its boxes; rank 1's are never written
+        save_staged(f"{root}/partial", plan.src_layouts, src, rank=0)
+    dist.barrier()
+    run = lambda path, **kw: execute(staged, graph_for(staged), src, rank=rank, staged_path=path, **kw)  # noqa: E731
+    _attempt(out, "missing box", rank, plan, src, lambda: run(f"{root}/partial"))
+
+    save_staged(f"{root}/full", plan.src_layouts, src, rank=rank, checksums=True)
+    dist.barrier()
+    if rank == 0:
+        victim = f"{root}/full/{box_file(DOWN, (0, 32))}"
+        data = bytearray(open(victim, "rb").read())
+        data[100] ^= 0x10
+        open(victim, "wb").write(bytes(data))
+    dist.barrier()
+    _attempt(out, "corrupt box", rank, plan, src, lambda: run(f"{root}/full", checksums=True))
+
+    real_crc = stream.crc32
+    if rank == 0:
+        stream.crc32 = lambda t: real_crc(t) ^ 1
+    _attempt(out, "stream checksum", rank, plan, src, lambda: execute(plan, graph_for(plan), src, rank=rank, checksums=True))
+    stream.crc32 = real_crc
+
+    swap = plan_transfers(_on([0, 1], "s"), _on([1, 0], "t"))  # every byte changes rank
+    mine = reference_state(swap.src_layouts.values(), rank)
+    budget = sum(t.nbytes for t in mine.values())  # the sources fit, sources + any target do not
+    out["graph under budget"] = plan_or_stage(swap, budget=budget, release_sources=True)
+    res = reshard(swap, mine, rank=rank, budget=budget, staged_path=f"{root}/budget", release_sources=True)
+    out["budget"] = mismatches(res, swap.layouts.values(), rank), res.stats.rounds, res.stats.bytes_staged, sorted(mine)
+    mine = reference_state(swap.src_layouts.values(), rank)
+    res = reshard(swap, mine, rank=rank, budget=4 * budget, staged_path=f"{root}/unused")
+    out["no budget"] = mismatches(res, swap.layouts.values(), rank), res.stats.rounds, res.stats.bytes_staged
+
+    if rank == 1:  # a peer that passes validation and then never sends
+        _attempt(out, "silent peer", rank, plan, src, lambda: execute(plan, _NoRounds(), src, rank=rank))
+        time.sleep(5)
+    else:
+        _attempt(out, "silent peer", rank, plan, src, lambda: execute(plan, graph_for(plan), src, rank=rank, timeout=1.5))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    root = tempfile.mkdtemp(prefix="nereus-test-", dir="/dev/shm")
+    try:
+        yield run_distributed(_scenarios, 2, root, timeout=110)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _same_error_everywhere(results, key: str, cls: str, *needles: str) -> str:
+    errors = {r[key] for r in results}
+    assert len(errors) == 1, errors  # every rank raised, and the same thing
+    (got_cls, msg), = errors
+    assert got_cls == cls, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    for r in results:
+        assert r[key + "/source"] == []  # nothing moved
+    return msg
+
+
+@pytest.mark.timeout(130)
+def test_plan_naming_a_rank_outside_the_group(results):
+    _same_error_everywhere(results, "outside", "ProcessGroupError", "rank(s) [2, 3]", "not in the process group")
+
+
+@pytest.mark.timeout(130)
+def test_missing_or_wrong_source_buffer_on_one_rank(results):
+    _same_error_everywhere(
+        results, "buffers", "ProcessGroupError",
+        "rank 1: source buffer 'model.embed_tokens.weight'", "missing",
+        "rank 0: source buffer 'lm_head.weight' is [3, 5] float32, the plan needs [32, 32] float32",
+    )
+
+
+@pytest.mark.timeout(130)
+def test_staged_transfers_without_a_staged_path(results):
+    _same_error_everywhere(results, "no path", "CoverageError", "no staged_path was given")
+
+
+@pytest.mark.timeout(130)
+def test_missing_staged_box_file(results):
+    _same_error_everywhere(results, "missing box", "CoverageError", "rank 0: staged box file", ".bin", "is missing")
+
+
+@pytest.mark.timeout(130)
+def test_corrupted_staged_box_with_checksums(results):
+    _same_error_everywhere(results, "corrupt box", "TransferError", box_file(DOWN, (0, 32)), "corrupted")
+
+
+@pytest.mark.timeout(130)
+def test_corrupted_message_with_checksums(results):
+    msg = _same_error_everywhere(results, "stream checksum", "TransferError", "checksum mismatch", "from rank 1 to rank 0")
+    assert "model." in msg  # names the tensors of the bad message
+
+
+@pytest.mark.timeout(130)
+def test_memory_budget_no_stream_schedule_meets_goes_staged(results):
+    for r in results:
+        assert r["graph under budget"] is None
+        bad, rounds, staged_bytes, left = r["budget"]
+        assert bad == [] and rounds == 0 and staged_bytes > 0 and left == []  # staged, exact, sources released
+        bad, rounds, staged_bytes = r["no budget"]
+        assert bad == [] and rounds > 0 and staged_bytes == 0  # a budget that fits streams
+
+
+@pytest.mark.timeout(130)
+def test_a_peer_that_never_sends_times_out_naming_it(results):
+    assert results[1]["silent peer"] == ("ok", "")
+    cls, msg = results[0]["silent peer"]
+    assert cls == "TransferError", msg
+    assert "from rank 1" in msg and "model." in msg, msg
+    assert results[0]["silent peer/source"] == []

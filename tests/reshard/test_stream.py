@@ -1,0 +1,213 @@
+"""The stream executor on gloo: random layout pairs and the trainer's transitions, exact.
+
+Spawning a process and importing torch costs seconds, so each test draws or lists many
+layout pairs in the parent and runs them all inside ONE ``run_distributed`` call; the
+children return what differs and the parent asserts it is nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from nereus.reshard.derive import derive_emus
+from nereus.reshard.layout import ParallelConfig
+from nereus.reshard.plan import plan_transfers
+from nereus.reshard.reference import mismatches, reference_state
+from tests.distributed_harness import run_distributed
+
+from .strategies import emu_of, grid_layouts, tiny_spec
+
+WORLD = 4
+
+
+# ------------------------------------------------------------------- shared helpers
+
+
+def graph_for(plan, **kwargs):
+    """The transition graph of a plan (arrays -> plan_graph)."""
+    from nereus.reshard.arrays import arrays_from_plan
+    from nereus.reshard.graph import plan_graph
+
+    return plan_graph(arrays_from_plan(plan), **kwargs)
+
+
+def derived(cfg: dict, *, stage: str, spec_kw: dict | None = None, **kwargs):
+    """EMUs of the tiny Llama-shaped decoder (GQA: 2 KV heads) under ``cfg``."""
+    spec = tiny_spec(**(spec_kw or {}))
+    return derive_emus(spec, ParallelConfig.on(**cfg), model="actor", stage=stage, **kwargs)
+
+
+def build(case: dict):
+    """(source EMUs, target EMUs) of a case: derived configs or explicit grid layouts."""
+    if "layouts" in case:
+        src, dst = case["layouts"]
+        return [emu_of(list(src), WORLD)], [emu_of(list(dst), WORLD, stage="t")]
+    spec_kw = case.get("spec", {})
+    return (
+        derived(case["src"], stage="s", spec_kw=spec_kw, **case.get("src_kw", {})),
+        derived(case["dst"], stage="t", spec_kw=spec_kw, **case.get("dst_kw", {})),
+    )
+
+
+def exact(plan, rank: int, out, src) -> list[str]:
+    """What differs: targets against the reference, and sources that changed."""
+    return mismatches(out, plan.layouts.values(), rank) + [
+        f"source changed: {m}" for m in mismatches(src, plan.src_layouts.values(), rank)
+    ]
+
+
+# ------------------------------------------------------------------- workers (children)
+
+
+def _round_trips(rank: int, world: int, cases: list[dict], root: str) -> list:
+    """Every case three times: streamed between live ranks (small transfers packed
+    together, then each in its own message), and read back from a staged checkpoint of all
+    sources (plan with no live rank). Returns (case, executor, diffs)."""
+    from nereus.reshard.execute import execute
+    from nereus.reshard.staged import save_staged
+    from nereus.reshard.stream import execute_stream
+
+    failures = []
+    for k, case in enumerate(cases):
+        sources, targets = build(case)
+        plan = plan_transfers(sources, targets)
+        src = reference_state(plan.src_layouts.values(), rank)
+        out = execute(plan, graph_for(plan), src, rank=rank, checksums=True, timeout=60)
+        if bad := exact(plan, rank, out, src):
+            failures.append((k, "stream", bad[:4]))
+        out = execute_stream(plan, graph_for(plan, max_messages=3), src, rank=rank, checksums=True, coalesce_bytes=0)
+        if bad := exact(plan, rank, out, src):
+            failures.append((k, "stream, one message per transfer", bad[:4]))
+        path = f"{root}/case{k}"
+        save_staged(path, plan.src_layouts, src, rank=rank, checksums=True)
+        dist.barrier()
+        staged_plan = plan_transfers(sources, targets, live=set(), staged=True)
+        out = execute(staged_plan, graph_for(staged_plan), src, rank=rank, staged_path=path, checksums=True)
+        if bad := exact(staged_plan, rank, out, src):
+            failures.append((k, "staged", bad[:4]))
+    return failures
+
+
+def _transitions(rank: int, world: int, cases: list[tuple[str, dict]]) -> list:
+    """Named trainer transitions, streamed with checksums; odd ones hand sources over."""
+    from nereus.reshard.execute import execute
+
+    failures = []
+    for k, (name, case) in enumerate(cases):
+        sources, targets = build(case)
+        plan = plan_transfers(sources, targets)
+        release = k % 2 == 1
+        src = reference_state(plan.src_layouts.values(), rank)
+        keep = {n: t.clone() for n, t in src.items()}
+        graph = graph_for(plan, release_sources=release)
+        out = execute(plan, graph, src, rank=rank, checksums=True, release_sources=release)
+        bad = mismatches(out, plan.layouts.values(), rank)
+        if release:
+            bad += [f"source {n} not released" for n in src if n in plan.src_buffers.get(rank, {})]
+        else:
+            bad += [f"source {n} changed" for n, t in src.items() if not torch.equal(t, keep[n])]
+        remote = sum(t.nbytes for t in plan.transfers if t.dst_rank == rank and t.src_rank != rank)
+        samples = out.stats.samples
+        if remote and not (samples and {s.dst for s in samples} == {rank} and out.stats.bytes_received >= remote):
+            bad.append(f"stats: {remote} bytes planned in, received {out.stats.bytes_received} in {len(samples)} samples")
+        if bad:
+            failures.append((name, bad[:4]))
+    return failures
+
+
+# ----------------------------------------------------------------------------- tests
+
+SMALL_CONFIGS = [dict(dp=d, tp=t, pp=p) for d in (1, 2) for t in (1, 2, 4) for p in (1, 2) if d * t * p <= WORLD]
+KINDS = [dict(), dict(dp_shard=True), dict(fused=True)]
+
+
+derived_cases = st.builds(
+    lambda a, b, ka, kb, opt, tied, dtype, bias, kv: dict(
+        src=a,
+        dst=b,
+        src_kw=ka | dict(optimizer=opt > 0),
+        dst_kw=kb | dict(optimizer=opt > 1),  # a target holds optimizer state only if the source does
+        spec=dict(tie_embeddings=tied, dtype=dtype, qkv_bias=bias, num_kv_heads=kv),
+    ),
+    st.sampled_from(SMALL_CONFIGS),
+    st.sampled_from(SMALL_CONFIGS),
+    st.sampled_from(KINDS),
+    st.sampled_from(KINDS),
+    st.integers(0, 2),
+    st.booleans(),
+    st.sampled_from(["float32", "bfloat16"]),
+    st.booleans(),
+    st.sampled_from([1, 2, 4]),
+)
+
+
+@st.composite
+def grid_cases(draw) -> dict:
+    """Two int64/bfloat16 tensors cut into random grids on random replica sets."""
+    x = draw(grid_layouts(name="x", world=WORLD, dtype="int64"))
+    y = draw(grid_layouts(name="opt/y.z", world=WORLD, dtype="bfloat16"))
+    x2 = draw(grid_layouts(name="x", world=WORLD, dtype="int64", shape=x.shape))
+    y2 = draw(grid_layouts(name="opt/y.z", world=WORLD, dtype="bfloat16", shape=y.shape))
+    return dict(layouts=((x, y), (x2, y2)))
+
+
+def draw(strategy, n: int) -> list:
+    """``n`` examples of a strategy, drawn by Hypothesis in this (parent) process.
+
+    A ``@given`` test body runs once per example, and each would spawn processes; so
+    Hypothesis only collects here (its first example is the simplest one, the rest are
+    varied) and one ``run_distributed`` call runs them all.
+    """
+    out: list = []
+
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(example):
+        out.append(example)
+
+    collect()
+    return out
+
+
+@pytest.mark.timeout(260)
+def test_random_layout_pairs_round_trip_exactly():
+    cases = draw(derived_cases, 12) + draw(grid_cases(), 6)
+    root = tempfile.mkdtemp(prefix="nereus-test-", dir="/dev/shm")
+    try:
+        results = run_distributed(_round_trips, WORLD, cases, root, timeout=220)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    failures = sorted({(k, kind, tuple(bad)) for per_rank in results for k, kind, bad in per_rank})
+    assert failures == [], [(cases[k], kind, bad) for k, kind, bad in failures]
+
+
+OPT = dict(optimizer=True)
+LLAMA = dict(qkv_bias=True, hidden_size=64, intermediate_size=128)  # GQA: 2 KV heads, so kv < tp at tp=4
+
+
+def _t(src: dict, dst: dict, src_kw: dict = OPT, dst_kw: dict = OPT) -> dict:
+    return dict(src=src, dst=dst, src_kw=src_kw, dst_kw=dst_kw, spec=LLAMA)
+
+
+TRAINER_TRANSITIONS = [
+    ("tp2->tp4", _t(dict(tp=2), dict(tp=4))),
+    ("tp4->tp2", _t(dict(tp=4), dict(tp=2))),
+    ("pp2->pp1", _t(dict(pp=2), dict(pp=1))),
+    ("dp2xtp2->tp4", _t(dict(dp=2, tp=2), dict(tp=4))),
+    ("tp2xpp2->dp4", _t(dict(tp=2, pp=2), dict(dp=4))),
+    ("train tp2xdp2 -> rollout tp4 fused", _t(dict(tp=2, dp=2), dict(tp=4), dst_kw=dict(fused=True))),
+    ("fsdp dp4 -> tp2xpp2", _t(dict(dp=4), dict(tp=2, pp=2), src_kw=dict(dp_shard=True, optimizer=True))),
+]
+
+
+@pytest.mark.timeout(180)
+def test_trainer_transitions_are_exact():
+    results = run_distributed(_transitions, WORLD, TRAINER_TRANSITIONS, timeout=150)
+    assert [f for per_rank in results for f in per_rank] == []
