@@ -5,6 +5,12 @@ registered here, one line each, so this file stays a table of contents::
 
     from nereus.cli.demo import demo
     app.command()(demo)
+from nereus.cli.convert import convert  # noqa: E402
+
+app.command()(convert)
+from nereus.cli.inspect import inspect  # noqa: E402
+
+app.command()(inspect)
 
 Commands parse and validate their arguments, then call library code; no logic here.
 """
@@ -38,7 +44,18 @@ def version() -> None:
     typer.echo(f"torch {torch.__version__}")
 
 
-# Register further commands below, e.g. `app.command()(demo)`.
+# Register further commands below, one line each.
+from nereus.cli.demo import demo  # noqa: E402
+from nereus.cli.train import train  # noqa: E402
+
+app.command()(train)
+app.command()(demo)
+from nereus.cli.convert import convert  # noqa: E402
+
+app.command()(convert)
+from nereus.cli.inspect import inspect  # noqa: E402
+
+app.command()(inspect)
 
 
 def main() -> None:

@@ -65,6 +65,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_seq_len: int = 32
+    init_std: float = 0.02  # std of the normal init of matrices (models trained from scratch)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,6 +176,7 @@ class JobConfig:
     nproc: int = 1
     run_dir: str = "runs/default"
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
+    device_memory_gib: float | None = None  # per-rank budget the plan must fit (trainer/memory.py); None: no check
     model: ModelConfig = field(default_factory=ModelConfig)
     critic: ModelConfig | None = None  # None: the actor's shapes, with a value head
     reward_model: ModelConfig | None = None  # None: the task's rule reward
@@ -377,6 +379,9 @@ def validate(cfg: JobConfig) -> None:
     _check_plan_stages(cfg)
     for stage, sc in cfg.plan.stages().items():
         _check_stage(cfg, stage, sc)
+    from .memory import check_memory  # the memory model reads the validated plan
+
+    check_memory(cfg)
 
 
 def _check_values(cfg: JobConfig) -> None:

@@ -1,0 +1,61 @@
+"""`nereus train`: run a PPO/GRPO job; starts its own workers, or is one under torchrun."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+DEFAULT_CONFIG = "tiny_ppo.yaml"
+
+
+def default_config() -> Path:
+    """configs/tiny_ppo.yaml of this checkout (or of the current directory)."""
+    import nereus
+
+    for base in (Path(nereus.__file__).resolve().parent.parent, Path.cwd()):
+        path = base / "configs" / DEFAULT_CONFIG
+        if path.is_file():
+            return path
+    raise typer.BadParameter(f"no config given and configs/{DEFAULT_CONFIG} not found", param_hint="CONFIG")
+
+
+def train(
+    config: Optional[Path] = typer.Argument(None, help="Job config (YAML). Default: configs/tiny_ppo.yaml."),
+    set_: List[str] = typer.Option([], "--set", help="Override a config key: --set ppo.lr=1e-4 (repeatable)."),
+    nproc: Optional[int] = typer.Option(None, help="Local worker processes (default: the config's nproc)."),
+    run_dir: Optional[str] = typer.Option(None, help="Where metrics, TensorBoard logs and checkpoints go."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest committed checkpoint in the run dir."),
+) -> None:
+    """Post-train with PPO or GRPO, each model-stage in its own TP/PP/DP layout."""
+    from nereus.launch import launch_local, under_torchrun
+    from nereus.trainer.config import ConfigError, load_config
+    from nereus.trainer.loop import run_worker
+
+    overrides = list(set_)
+    if nproc is not None:
+        overrides.append(f"nproc={nproc}")
+    if run_dir is not None:
+        overrides.append(f"run_dir={run_dir}")
+    try:
+        cfg = load_config(config or default_config(), overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    for key in ("model", "critic", "reward_model"):
+        model = getattr(cfg, key)
+        if model is not None and model.path and not Path(model.path).is_dir():
+            typer.echo(f"error: {key}.path {model.path!r} does not exist (a HuggingFace model directory)", err=True)
+            raise typer.Exit(2)
+    if under_torchrun():
+        last = run_worker(cfg, resume)
+    else:
+        last = launch_local(run_worker, cfg.nproc, cfg, resume, run_id=f"nereus-train-{uuid.uuid4().hex[:8]}")[0]
+    if "error" in last:
+        typer.echo(f"error: {last['error']}", err=True)
+        raise typer.Exit(1)
+    typer.echo(json.dumps({k: last[k] for k in ("step", "reward_mean", "kl", "tokens_per_s") if k in last}))
+    typer.echo(f"metrics: {Path(cfg.run_dir) / 'metrics.jsonl'}")

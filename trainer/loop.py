@@ -1,0 +1,322 @@
+"""The step loop of ``nereus train``: generation → inference → training, every model-stage
+in its own layout, weights moving between layouts through reshard.
+
+One step (all ranks, SPMD):
+
+1. weight sync: ``actor.train`` → ``actor.gen`` through reshard's stream executor (the plan
+   and transition graph are computed once; every step streams into the live parameters);
+2. generation: each ``actor.gen`` replica samples responses for its share of the prompts
+   (the step's prompts and the replica's sampling seed are the same on all its TP ranks);
+3. inference: rewards from the task; old log-probs (``actor.train``), reference log-probs
+   (``ref.infer``) and values (``critic.infer``, synced from ``critic.train``);
+4. advantages (PPO: GAE over KL-penalised token rewards; GRPO: group-relative);
+5. training: PPO epochs over mini-batches for the actor (and critic), each replica taking its
+   rows of every mini-batch; gradients synced over dp inside ``forward_backward``.
+
+Metrics go to ``RUN_DIR/metrics.jsonl`` and TensorBoard from rank 0; checkpoints every
+``checkpoint_every`` steps through the store, committed atomically, so ``--resume`` restarts
+from the last good step and a failed step (NaN loss) never touches it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nereus.reshard.arrays import arrays_from_plan
+from nereus.reshard.execute import execute
+from nereus.reshard.graph import plan_graph
+from nereus.reshard.plan import plan_transfers
+
+from . import grpo, ppo
+from .advantages import kl_k1, masked_mean, minibatch_indices
+from .config import JobConfig
+from .generate import generate
+from .metrics import MetricsLog, peak_memory_bytes
+from .parallel import init_stage, load_full
+from .stages import ModelStage, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values, train_minibatch
+from .tasks import Task, build_task
+
+KEEP_CHECKPOINTS = 3
+
+
+@dataclass(kw_only=True)
+class WeightSync:
+    """Parameters of one model-stage streamed into another's live parameters each step."""
+
+    src: ModelStage
+    dst: ModelStage
+
+    def __post_init__(self) -> None:
+        src = [_params_only(e) for e in self.src.emus]
+        dst = [_params_only(e) for e in self.dst.emus]
+        self.plan = plan_transfers(src, dst)
+        self.graph = plan_graph(arrays_from_plan(self.plan))
+
+    def __call__(self) -> None:
+        rank = dist.get_rank()
+        execute(self.plan, self.graph, self.src.param_buffers(), rank=rank, dst_buffers=self.dst.param_buffers())
+
+
+def _params_only(emu):
+    from dataclasses import replace
+
+    from nereus.reshard.layout import EMU
+
+    tensors = tuple(t for t in emu.tensors if not t.name.startswith("optim/"))
+    return EMU.trusted(**{f: getattr(emu, f) for f in ("model", "stage", "replica", "config", "ranks", "version")}, tensors=tensors) if tensors != emu.tensors else emu
+
+
+class Trainer:
+    """The model-stages of one job on this rank, and the step function."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg, self.rank = cfg, dist.get_rank()
+        self.task: Task = build_task(cfg.task)
+        self.stages = build_stages(cfg, self.rank)
+        hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+        for key, stage in self.stages.items():
+            if stage.member:
+                _, model, _ = cfg.stage_model(key)
+                if model.path and stage.args.spec.head == "lm":
+                    load_hf(stage, model.path)
+                else:
+                    init_stage(stage.part, seed=cfg.seed + (1 if key.startswith("critic") else 0), std=model.init_std)
+            if key.endswith(".train"):
+                make_optimizer(stage, cfg.ppo.critic_lr if key == "critic.train" else hp.lr)
+        self.syncs = [WeightSync(src=self.stages["actor.train"], dst=self.stages["actor.gen"])]
+        if "critic.infer" in self.stages:
+            self.syncs.append(WeightSync(src=self.stages["critic.train"], dst=self.stages["critic.infer"]))
+        self.step = 0
+
+    # ------------------------------------------------------------------ one step
+
+    def run_step(self) -> dict:
+        cfg, seconds = self.cfg, {}
+        start = time.perf_counter()
+        for sync in self.syncs:
+            sync()
+        seconds["sync"] = time.perf_counter() - start
+
+        t = time.perf_counter()
+        batch, scores = self._rollout()
+        seconds["generation"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        temp = cfg.rollout.temperature
+        batch["old_logprobs"] = infer(self.stages["actor.train"], batch, "logprobs", temp)
+        if "ref.infer" in self.stages:
+            batch["ref_logprobs"] = infer(self.stages["ref.infer"], batch, "logprobs", temp)
+        if cfg.algorithm == "ppo":
+            batch["old_values"] = infer(self.stages["critic.infer"], batch, "values")
+        advantage_metrics = self._advantages(batch, scores)
+        seconds["inference"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        train_metrics = self._train(batch)
+        seconds["training"] = time.perf_counter() - t
+
+        mask = batch["response_mask"]
+        kl = masked_mean(kl_k1(batch["old_logprobs"], batch["ref_logprobs"]), mask) if "ref_logprobs" in batch else torch.zeros(())
+        total = time.perf_counter() - start
+        self.step += 1
+        return {
+            "step": self.step,
+            "reward_mean": float(scores.mean()),
+            "kl": float(kl),
+            "response_length": float(mask.sum(1).float().mean()),
+            **train_metrics,
+            **advantage_metrics,
+            "stage_seconds": seconds,
+            "step_seconds": total,
+            "tokens_per_s": float(mask.sum()) / total,
+            "peak_memory_bytes": peak_memory_bytes(),
+        }
+
+    def _rollout(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        cfg, gen = self.cfg, self.stages["actor.gen"]
+        g = torch.Generator().manual_seed(_seed(cfg.seed, self.step, 0))
+        prompts = self.task.sample_prompts(cfg.rollout.prompts_per_step, g)
+        prompts = [p for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
+        b, local = len(prompts), None
+        if gen.member:
+            lo, hi = gen.rows(b)
+            sampler = torch.Generator().manual_seed(_seed(cfg.seed, self.step, 1 + gen.part.groups.dp_index))
+            with torch.no_grad():
+                out = generate(
+                    gen.part.module, prompts[lo:hi], max_new_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                    stop_tokens=(self.task.eos_id,), pad_id=self.task.pad_id, generator=sampler,
+                )
+            local = _padded(out, cfg.rollout.max_new_tokens, self.task.pad_id)
+        rows = gather_rows(gen, local, b)
+        p = rows["tokens"].shape[1] - cfg.rollout.max_new_tokens
+        responses = [r[m].tolist() for r, m in zip(rows["tokens"][:, p:], rows["response_mask"])]
+        scores = torch.tensor([self.task.reward(q, r) for q, r in zip(prompts, responses)], dtype=torch.float32)
+        batch = {
+            "input_ids": rows["tokens"],
+            "attention_mask": rows["attention_mask"],
+            "response_mask": rows["response_mask"].float(),
+            "prompt_width": torch.full((b,), p, dtype=torch.int64),
+        }
+        return batch, scores
+
+    def _advantages(self, batch: dict, scores: torch.Tensor) -> dict[str, float]:
+        cfg, mask = self.cfg, batch["response_mask"]
+        if cfg.algorithm == "ppo":
+            hp = cfg.ppo
+            adv, returns, metrics = ppo.compute_advantages(
+                scores, batch["old_values"], mask, old_logprobs=batch["old_logprobs"],
+                ref_logprobs=batch.get("ref_logprobs"), kl_coef=hp.kl_coef, kl_in_reward=hp.kl_in_reward,
+                gamma=hp.gamma, lam=hp.lam, whiten=hp.whiten,
+            )
+            batch["advantages"], batch["returns"] = adv, returns
+            return metrics
+        hp = cfg.grpo
+        adv, metrics = grpo.group_advantages(scores, cfg.rollout.samples_per_prompt, scale_by_std=hp.scale_by_std, eps=hp.eps)
+        batch["advantages"] = adv[:, None].expand_as(mask).contiguous()
+        return metrics
+
+    def _train(self, batch: dict) -> dict[str, float]:
+        cfg = self.cfg
+        hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+        temp = cfg.rollout.temperature
+        g = torch.Generator().manual_seed(_seed(cfg.seed, self.step, 99))
+        actor_kl = hp.kl_coef if (cfg.algorithm == "grpo" or not cfg.ppo.kl_in_reward) else 0.0
+
+        def actor_loss(logits, mb):
+            logprobs = response_logprobs(logits, mb, temp)
+            return ppo.policy_loss(
+                logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"], clip=hp.clip,
+                ref_logprobs=mb.get("ref_logprobs"), kl_coef=actor_kl,
+            )
+
+        def critic_loss(values, mb):
+            return ppo.value_loss(response_values(values, mb), mb["old_values"], mb["returns"], mb["response_mask"], clip=cfg.ppo.value_clip)
+
+        out: dict[str, float] = {}
+        b = batch["input_ids"].shape[0]
+        for idx in minibatch_indices(b, hp.minibatch_size, epochs=hp.epochs, generator=g):
+            mb = {k: v[idx] for k, v in batch.items()}
+            for k, v in train_minibatch(self.stages["actor.train"], mb, actor_loss, hp.max_grad_norm).items():
+                out[f"actor/{k}"] = v
+            if cfg.algorithm == "ppo":
+                for k, v in train_minibatch(self.stages["critic.train"], mb, critic_loss, cfg.ppo.max_grad_norm).items():
+                    out[f"critic/{k}"] = v
+        out = _mean_over_ranks(out)
+        bad = [k.split("/")[0] for k in ("actor/nonfinite", "critic/nonfinite") if out.get(k, 0.0) > 0]
+        if bad:
+            raise FloatingPointError(f"step {self.step + 1}: {' and '.join(bad)} loss or gradient is not finite (NaN/inf)")
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_root(self) -> str:
+        return os.path.join(self.cfg.run_dir, "checkpoints")
+
+    def _trained(self) -> list[ModelStage]:
+        return [s for k, s in self.stages.items() if k.endswith(".train")]
+
+    def save(self) -> None:
+        """Commit the training stages' weights and AdamW state (every rank calls it)."""
+        from nereus.store.checkpoint import save_checkpoint
+
+        emus = [e for s in self._trained() for e in s.emus]
+        buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
+        save_checkpoint(self.checkpoint_root(), self.step, emus, buffers, rank=self.rank, state={"step": self.step}, keep=KEEP_CHECKPOINTS)
+
+    def restore(self) -> int:
+        """Load the latest committed checkpoint into this rank's layouts; returns its step."""
+        from nereus.store.checkpoint import CheckpointStore, load_checkpoint
+
+        if not CheckpointStore(self.checkpoint_root()).steps():
+            raise FileNotFoundError(f"--resume: no committed checkpoint under {self.checkpoint_root()}")
+        emus = [e for s in self._trained() for e in s.emus]
+        buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
+        manifest, _ = load_checkpoint(self.checkpoint_root(), emus, self.rank, buffers)
+        self.step = manifest.step
+        return self.step
+
+
+def load_hf(stage: ModelStage, path: str) -> None:
+    """This rank's boxes of a HuggingFace checkpoint, read through memory maps: only the
+    pages of the boxes are touched, and ``copy_`` casts them to the stage's dtype."""
+    from nereus.store.hf import HFCheckpoint, check_against_spec
+
+    ckpt = HFCheckpoint.open(path)
+    check_against_spec(ckpt, stage.args.spec)
+    load_full(stage.part, ckpt.mapped)
+
+
+def _padded(out, width: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """A rollout padded to ``width`` response columns, so all replicas stack."""
+    extra = width - out.logprobs.shape[1]
+    pad = lambda t, v: torch.nn.functional.pad(t, (0, extra), value=v)  # noqa: E731
+    return {
+        "tokens": pad(out.tokens, pad_id),
+        "attention_mask": pad(out.attention_mask, False),
+        "response_mask": pad(out.response_mask, False)[:, -width:],
+    }
+
+
+def _seed(*parts: int) -> int:
+    h = 0
+    for p in parts:
+        h = (h * 1_000_003 + p + 1) % (1 << 62)
+    return h
+
+
+def _mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Average each metric over the ranks that reported it (rank order is irrelevant)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, metrics)
+    keys = sorted({k for m in gathered for k in m})
+    return {k: sum(m[k] for m in gathered if k in m) / sum(1 for m in gathered if k in m) for k in keys}
+
+
+def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
+    """One rank of ``nereus train`` (the process group is initialised from the environment).
+
+    Returns the last step's metrics, or ``{"error": message}`` on every rank when the job
+    stopped on a non-finite loss (the last committed checkpoint is left as it was).
+    """
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
+    torch.manual_seed(cfg.seed)
+    try:
+        trainer = Trainer(cfg)
+        try:
+            first = trainer.restore() if resume else 0
+        except FileNotFoundError as e:  # every rank sees the same store
+            return {"error": str(e)}
+        log = MetricsLog(cfg.run_dir, total=cfg.steps, first_step=first) if trainer.rank == 0 else None
+        last: dict = {}
+        try:
+            while trainer.step < cfg.steps:
+                metrics = trainer.run_step()
+                metrics["peak_memory_bytes"] = _gather_peaks(metrics["peak_memory_bytes"])
+                if log:
+                    log.write(metrics)
+                last = metrics
+                every = cfg.checkpoint_every
+                if (every and trainer.step % every == 0) or trainer.step == cfg.steps:
+                    trainer.save()
+        except FloatingPointError as e:
+            return {"error": f"{e}; stopped, the last committed checkpoint is unchanged"}
+        finally:
+            if log:
+                log.close()
+        return last
+    finally:
+        dist.destroy_process_group()
+
+
+def _gather_peaks(mine: int) -> list[int]:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out

@@ -1,0 +1,227 @@
+"""Model-stages at run time: build each in its layout, run it on its share of the batch.
+
+Every rank builds every model-stage it belongs to (``plan.<model>.<stage>`` of the job
+config); all ranks create every stage's process groups in the same order first
+(``new_group`` is collective over the world). Model-stages are co-located and run one
+after another, as verl's hybrid engine does: generation, then inference, then training.
+
+Batch split: a stage with dp replicas gives replica d the rows ``tensor_split(B, dp)[d]``;
+all TP and PP ranks of a replica see the same rows. Results come back to every rank with
+one ``all_gather_object`` per call (the tiny CPU jobs move kilobytes; a GPU job would
+gather tensors instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nereus.reshard.derive import derive_emus
+from nereus.reshard.layout import EMU, ParallelConfig
+
+from .config import JobConfig, StageConfig, decoder_spec
+from .model import ModelArgs
+from .parallel import StagePart, build_stage, optimizer_buffers, stage_buffers, stage_grads, stage_groups
+from .pipeline import forward, forward_backward
+
+
+@dataclass(kw_only=True)
+class ModelStage:
+    """One model-stage (e.g. ``actor.train``) as this rank sees it; ``part`` None off its ranks."""
+
+    key: str
+    args: ModelArgs
+    config: ParallelConfig
+    dp_shard: bool
+    part: StagePart | None
+    optimizer: torch.optim.Optimizer | None = None
+    emus: list[EMU] = field(default_factory=list)
+    group: dist.ProcessGroup | None = None
+    """All ranks of the model-stage (None: the world)."""
+    norm_weights: dict[str, float] = field(default_factory=dict)
+    """Per local parameter: 1 / holders of its box in this rank's EMU (see ``clip_grads``)."""
+
+    @property
+    def member(self) -> bool:
+        return self.part is not None
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Rank-local views of the parameters (and AdamW state for training stages)."""
+        if self.part is None:
+            return {}
+        out = stage_buffers(self.part)
+        if self.optimizer is not None:
+            out.update(optimizer_buffers(self.part, self.optimizer))
+        return out
+
+    def param_buffers(self) -> dict[str, torch.Tensor]:
+        return {} if self.part is None else stage_buffers(self.part)
+
+    def rows(self, batch_size: int) -> tuple[int, int]:
+        """[lo, hi) of the batch rows this rank's replica handles."""
+        d = self.part.groups.dp_index
+        sizes = [len(c) for c in torch.arange(batch_size).tensor_split(self.config.dp)]
+        lo = sum(sizes[:d])
+        return lo, lo + sizes[d]
+
+    @property
+    def reports(self) -> bool:
+        """True on the one rank per replica that reports its rows (TP 0, PP 0)."""
+        return self.part is not None and self.part.groups.tp_index == 0 and self.part.groups.pp_index == 0
+
+
+def model_args(cfg: JobConfig, key: str) -> ModelArgs:
+    _, model, head = cfg.stage_model(key)
+    return ModelArgs(
+        spec=decoder_spec(model, head=head),
+        rope_theta=model.rope_theta,
+        rms_norm_eps=model.rms_norm_eps,
+        max_seq_len=model.max_seq_len,
+    )
+
+
+def build_stages(cfg: JobConfig, rank: int) -> dict[str, ModelStage]:
+    """Every model-stage of the plan; groups for all, modules where this rank belongs."""
+    stages = {}
+    for key, sc in cfg.plan.stages().items():
+        args = model_args(cfg, key)
+        config = sc.parallel_config(cfg.nproc)
+        _check_engine(key, sc)
+        groups = stage_groups(config, args.spec, rank)
+        part = build_stage(args, config, rank, dp_shard=sc.dp_shard, groups=groups) if groups else None
+        train = key.endswith(".train")
+        stage = ModelStage(key=key, args=args, config=config, dp_shard=sc.dp_shard, part=part)
+        stage.emus = derive_emus(args.spec, config, model=key.split(".")[0], stage=key.split(".")[1], optimizer=train, dp_shard=sc.dp_shard)
+        stage.group = _stage_group(config)
+        if part is not None:
+            stage.norm_weights = _norm_weights(stage, rank)
+        stages[key] = stage
+    return stages
+
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _stage_group(config: ParallelConfig) -> dist.ProcessGroup | None:
+    """A group over the config's ranks (collective: every rank calls it for every stage)."""
+    if sorted(config.ranks) == list(range(dist.get_world_size())):
+        return None
+    key = tuple(sorted(config.ranks))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key))
+    return _GROUPS[key]
+
+
+def _norm_weights(stage: ModelStage, rank: int) -> dict[str, float]:
+    emu = next(e for e in stage.emus if rank in e.ranks)
+    weights = {}
+    for t in emu.tensors:
+        for shard in t.shards:
+            if shard.rank == rank:
+                weights[t.name] = 1.0 / sum(1 for s in t.shards if s.box == shard.box)
+    return weights
+
+
+def _check_engine(key: str, sc: StageConfig) -> None:
+    if key == "actor.gen" and sc.pp > 1:
+        raise ValueError(f"plan 'actor.gen': the built-in generator runs pp=1 only, got pp={sc.pp}")
+    if sc.fused:
+        raise ValueError(f"plan {key!r}: fused (vLLM) layouts need the vllm engine, not the built-in generator")
+
+
+def make_optimizer(stage: ModelStage, lr: float) -> None:
+    """AdamW over the stage's parameters (foreach off: DTensor and plain tensors mix)."""
+    if stage.part is not None:
+        stage.optimizer = torch.optim.AdamW(stage.part.module.parameters(), lr=lr, weight_decay=0.0, foreach=False)
+        optimizer_buffers(stage.part, stage.optimizer)  # state exists from the start: reshard/checkpoints see it
+
+
+def gather_rows(stage: ModelStage, local: dict[str, torch.Tensor] | None, batch_size: int) -> dict[str, torch.Tensor]:
+    """Every replica's rows, concatenated in row order, on every rank of the world."""
+    mine = (stage.rows(batch_size)[0], local) if stage.reports else None
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    pieces = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+    return {k: torch.cat([p[1][k] for p in pieces]) for k in pieces[0][1]}
+
+
+def response_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """log π(a_t | s_t) of the response tokens: logits at positions P-1..T-2 score tokens P..T-1."""
+    p = int(mb["prompt_width"][0])
+    logits = logits[:, p - 1 : -1].float() / temperature
+    return torch.gather(F.log_softmax(logits, dim=-1), 2, mb["input_ids"][:, p:, None]).squeeze(2)
+
+
+def response_values(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """V(s_t) for each response token: the value at the position before it."""
+    p = int(mb["prompt_width"][0])
+    return values[:, p - 1 : -1].float()
+
+
+def infer(stage: ModelStage, batch: dict[str, torch.Tensor], what: str, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs (``what="logprobs"``) or values of every row, computed by the stage's replicas."""
+    b = batch["input_ids"].shape[0]
+    local = None
+    if stage.member:
+        lo, hi = stage.rows(b)
+        mine = {k: v[lo:hi] for k, v in batch.items()}
+        fn = (lambda out, mb: response_logprobs(out, mb, temperature)) if what == "logprobs" else response_values
+        local = {"out": forward(stage.part, mine, n_microbatches=_microbatches(stage, hi - lo), output_fn=fn)}
+    return gather_rows(stage, local, b)["out"]
+
+
+def train_minibatch(stage: ModelStage, batch: dict[str, torch.Tensor], loss_fn, max_grad_norm: float) -> dict[str, float]:
+    """One optimizer step of the stage on a mini-batch (its replica's rows of it)."""
+    if not stage.member:
+        return {}
+    lo, hi = stage.rows(batch["input_ids"].shape[0])
+    mine = {k: v[lo:hi] for k, v in batch.items()}
+    n = _microbatches(stage, hi - lo)
+    metrics: dict[str, float] = {}
+
+    def scaled(out, mb):
+        loss, m = loss_fn(out, mb)
+        metrics.update(m)
+        return loss / n
+
+    stage.optimizer.zero_grad(set_to_none=False)
+    loss = forward_backward(stage.part, mine, scaled, n_microbatches=n)
+    grad_norm = clip_grads(stage, max_grad_norm)
+    if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
+        # No step: the caller sees ``nonfinite`` on every rank and stops the job together.
+        return {"loss": float(loss), "grad_norm": float(grad_norm), "nonfinite": 1.0}
+    stage.optimizer.step()
+    return {"loss": float(loss), "grad_norm": float(grad_norm), "nonfinite": 0.0, **metrics}
+
+
+def clip_grads(stage: ModelStage, max_norm: float) -> torch.Tensor:
+    """Clip to the global gradient norm of the model-stage, computed from the layouts.
+
+    ‖g‖² = Σ over distinct boxes of the box's Σ g². Each rank adds Σ g² of its local
+    gradients weighted by 1 / (holders of that box in its EMU) — TP-replicated norms, KV
+    heads copied over TP ranks and the tied embedding's last-stage copy count once — and
+    the sum runs over the stage's ranks; replicated dp replicas hold equal gradients, so
+    their total is divided by dp (dp-sharded state is one EMU, counted once).
+    """
+    grads = stage_grads(stage.part)
+    sq = torch.zeros((), dtype=torch.float64)
+    for name, g in grads.items():
+        sq += g.double().pow(2).sum() * stage.norm_weights[name]
+    dist.all_reduce(sq, group=stage.group)
+    if not stage.dp_shard:
+        sq /= stage.config.dp
+    norm = sq.sqrt().float()
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (float(norm) + 1e-6)
+        for g in grads.values():
+            g.mul_(scale)
+    return norm
+
+
+def _microbatches(stage: ModelStage, rows: int) -> int:
+    """One micro-batch per pipeline stage where the rows allow: the largest divisor of
+    ``rows`` that is at most pp (pipelining needs equal micro-batches)."""
+    return max(n for n in range(1, min(stage.config.pp, rows) + 1) if rows % n == 0)
