@@ -1,1 +1,3 @@
-"""Metadata store and checkpoints (tensorstore, DCP, safetensors): placeholder, filled by a later issue."""
+"""The store: tensorstore metadata store (``kv``, ``records``, ``job``), sharded checkpoints
+written through DCP in the staged box format (``checkpoint``, ``dcp_io``), HF safetensors
+import/export (``hf``, ``safetensors_io``) and offline conversion (``convert``)."""

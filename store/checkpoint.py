@@ -1,0 +1,433 @@
+"""Sharded checkpoints on any fsspec path, loadable into any layout on any number of ranks.
+
+A checkpoint root (a local directory, ``memory://...``, ``gs://...``, ``s3://...``) holds::
+
+    <root>/meta/                                   the metadata store (OCDBT): manifests, plans, job
+    <root>/data/<step, 12 digits>-<token>/         one staged checkpoint per save (box files)
+
+Save (:func:`save_checkpoint`, every rank): each rank writes the boxes it is the lowest
+holder of, in parallel, through ``dcp.save`` (``dcp_io``); the coordinator then writes the
+manifest — step, EMUs, every file with its bytes and crc32, job state, RNG states — with a
+create-only compare-and-swap. The checkpoint exists from that instant: a save killed
+earlier leaves a data directory that no manifest names, which is never listed or loaded;
+two writers committing the same step are told (:class:`ConflictError`) and the loser
+removes its data. Tensors are keyed ``<model>/<name>`` so several models share a root.
+
+Load (:func:`load_checkpoint`, each rank on its own, no collective): the transfer plan
+from the saved EMUs to the target EMUs (``plan_transfers(..., live=set(), staged=True)``)
+lists exactly the regions this rank needs; their files are checked (present, whole, crc32
+as committed) before any byte moves, then ``reshard.staged.load_staged`` reads only those
+regions into the rank's buffers.
+
+Async save (:class:`AsyncCheckpointer`): state is copied to host memory on the caller's
+thread, then written and committed by a background thread over a dedicated gloo group,
+so training continues; at most one save is in flight. Retention keeps the last K.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+import uuid
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable, Mapping, MutableMapping, Sequence
+
+import fsspec
+import torch
+import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
+
+from nereus.reshard.layout import DTYPES, EMU, Shard, TensorLayout, shard_view
+from nereus.reshard.plan import merge_layouts, plan_transfers
+from nereus.reshard.staged import load_staged, staged_transfers
+
+from .dcp_io import BoxSavePlanner, BoxWriter, BoxWritten, dcp_save, plan_owned_boxes
+from .errors import CheckpointExistsError, ConflictError, CorruptCheckpointError, StoreError
+from .kv import ABSENT, MetaStore, join_url, split_url
+from .crc import block_crc32, blocks_of, region_span
+from .safetensors_io import map_file
+from .records import CHECKPOINT_PREFIX, FileEntry, Manifest, checkpoint_key, manifest_from_dict, manifest_to_dict
+
+DATA = "data"
+Buffers = Mapping[str, Mapping[str, torch.Tensor]]
+"""Local buffers by model, then by buffer name (as ``layout.local_buffers`` names them)."""
+
+
+def normalize_root(root: str) -> str:
+    """A local root as an absolute path; URLs unchanged (no trailing slash)."""
+    scheme, path = split_url(root)
+    return os.path.abspath(path) if scheme == "file" else str(root).rstrip("/")
+
+
+def qualify(emu: EMU) -> EMU:
+    """The EMU with tensors and fused buffers renamed ``<model>/<name>`` (pure)."""
+    def rename(s: Shard) -> Shard:
+        return s if not s.buffer else Shard(rank=s.rank, offsets=s.offsets, lengths=s.lengths, buffer=f"{emu.model}/{s.buffer}", row=s.row)
+
+    tensors = tuple(
+        TensorLayout.trusted(name=f"{emu.model}/{t.name}", shape=t.shape, dtype=t.dtype, shards=tuple(rename(s) for s in t.shards))
+        for t in emu.tensors
+    )
+    return EMU.trusted(model=emu.model, stage=emu.stage, replica=emu.replica, config=emu.config, ranks=emu.ranks, version=emu.version, tensors=tensors)
+
+
+def flatten(buffers: Buffers) -> dict[str, torch.Tensor]:
+    return {f"{model}/{name}": t for model, bufs in buffers.items() for name, t in bufs.items()}
+
+
+def unflatten(flat: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        model, _, name = key.partition("/")
+        out.setdefault(model, {})[name] = t
+    return out
+
+
+def checkpoint_layouts(emus: Sequence[EMU]) -> dict[str, TensorLayout]:
+    """The qualified, merged layouts of a checkpoint's EMUs; one stage per model."""
+    stages: dict[str, set[str]] = {}
+    for e in emus:
+        stages.setdefault(e.model, set()).add(e.stage)
+    for model, s in stages.items():
+        if len(s) > 1:
+            raise StoreError(f"a checkpoint holds one stage per model; model {model!r} has stages {sorted(s)}")
+    return merge_layouts([qualify(e) for e in emus], "checkpoint")
+
+
+def rng_state() -> dict:
+    """This process's RNG states (CPU, and every CUDA device when present), base64."""
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(manifest: Manifest, rank: int, world_size: int) -> bool:
+    """Restore ``rank``'s RNG states when the job resumes at the saved world size (True);
+    otherwise seed from (step, rank) deterministically (False): streams cannot be split."""
+    if len(manifest.rng) == world_size and manifest.rng[rank]:
+        state = manifest.rng[rank]
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cpu"])), dtype=torch.uint8))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]])
+        return True
+    torch.manual_seed(zlib.crc32(f"{manifest.step}/{rank}".encode()))
+    return False
+
+
+class CheckpointStore:
+    """The checkpoints of one root: listing, manifests, commit, retention, verification."""
+
+    def __init__(self, root: str) -> None:
+        self.root = normalize_root(root)
+        try:
+            self.fs, self.path = fsspec.core.url_to_fs(self.root)
+        except (ImportError, ValueError) as e:  # e.g. gs:// without gcsfs installed
+            raise StoreError(f"cannot open checkpoint data at {self.root!r}: {e}") from None
+        self.meta = MetaStore.open(self.root)
+
+    def steps(self) -> list[int]:
+        """Committed checkpoint steps, ascending."""
+        return [int(k[len(CHECKPOINT_PREFIX):]) for k in self.meta.keys(CHECKPOINT_PREFIX)]
+
+    def manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of ``step`` (default: the latest committed checkpoint)."""
+        if step is None:
+            steps = self.steps()
+            if not steps:
+                raise StoreError(f"{self.root}: no committed checkpoint")
+            step = steps[-1]
+        key = checkpoint_key(step)
+        entry = self.meta.get(key)
+        if entry is None:
+            raise StoreError(f"{self.root}: no committed checkpoint at step {step} (have {self.steps()})")
+        return manifest_from_dict(key, entry.value)
+
+    def data_url(self, data_dir: str) -> str:
+        return join_url(self.root, data_dir)
+
+    def new_data_dir(self, step: int) -> str:
+        return f"{DATA}/{step:012d}-{uuid.uuid4().hex[:12]}"
+
+    def remove_data(self, data_dir: str) -> None:
+        path = f"{self.path.rstrip('/')}/{data_dir}"
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def check_absent(self, step: int, *, overwrite: bool) -> None:
+        if not overwrite and self.meta.get(checkpoint_key(step)) is not None:
+            raise CheckpointExistsError(f"{self.root} already holds a committed checkpoint at step {step}; pass overwrite to replace it")
+
+    def commit(self, manifest: Manifest, *, overwrite: bool = False, only: bool = False) -> None:
+        """Make ``manifest`` visible (create-only unless ``overwrite``), atomically.
+
+        ``only``: also retire every other checkpoint in the same transaction (the root then
+        holds just this one). Data of replaced checkpoints is removed after the commit.
+        """
+        key = manifest.key
+        entry = self.meta.get(key)
+        if entry is not None and not overwrite:
+            raise ConflictError(f"{self.root}: checkpoint step {manifest.step} was committed by another writer first")
+        expect = {key: entry.generation if entry is not None else ABSENT}
+        writes: dict = {key: manifest_to_dict(manifest)}
+        retired = [entry.value.get("data")] if entry is not None else []
+        if only:
+            for other in self.meta.items(CHECKPOINT_PREFIX):
+                if other.key != key:
+                    writes[other.key], expect[other.key] = None, other.generation
+                    retired.append(other.value.get("data"))
+        self.meta.commit(writes, expect=expect)
+        for data_dir in retired:
+            if data_dir and data_dir != manifest.data:
+                self.remove_data(data_dir)
+
+    def retain(self, keep: int) -> list[int]:
+        """Delete all but the last ``keep`` committed checkpoints (manifest first, then data)."""
+        if keep < 1:
+            raise StoreError(f"retention must keep at least 1 checkpoint, got {keep}")
+        retired = []
+        for step in self.steps()[:-keep]:
+            entry = self.meta.get(checkpoint_key(step))
+            if entry is None:
+                continue
+            try:
+                self.meta.put(entry.key, None, expect=entry.generation)
+            except ConflictError:
+                continue  # someone else retired or replaced it
+            self.remove_data(entry.value["data"])
+            retired.append(step)
+        return retired
+
+    def check_files(self, manifest: Manifest, entries: Iterable[FileEntry]) -> None:
+        """Raise :class:`CorruptCheckpointError` naming the first file missing or of the wrong size."""
+        base = f"{self.path.rstrip('/')}/{manifest.data}"
+        for e in entries:
+            path = f"{base}/{e.path}"
+            try:
+                size = self.fs.size(path)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{_where(manifest, e, path)} is missing") from None
+            if size != e.nbytes:
+                raise CorruptCheckpointError(f"{_where(manifest, e, path)} has {size} bytes, the manifest says {e.nbytes}: truncated")
+
+    def verify(self, manifest: Manifest, blocks: Mapping[FileEntry, Iterable[int]] | None = None) -> None:
+        """Raise :class:`CorruptCheckpointError` naming the first file missing, truncated or
+        with a block whose crc32 differs from the manifest's. ``blocks``: the blocks to
+        check per file (default: every block of every file); only those bytes are read."""
+        if blocks is None:
+            blocks = {e: range(len(e.crc32)) for e in manifest.files}
+        self.check_files(manifest, blocks)
+        base = f"{self.path.rstrip('/')}/{manifest.data}"
+        size = manifest.crc_block
+        local = isinstance(self.fs, LocalFileSystem)
+        for e, indices in blocks.items():
+            path = f"{base}/{e.path}"
+            for i in sorted(set(indices)):
+                start, end = i * size, min((i + 1) * size, e.nbytes)
+                data = map_file(path, start, end - start).numpy() if local else self.fs.cat_file(path, start=start, end=end)
+                (crc,) = block_crc32(data, size)
+                if crc != e.crc32[i]:
+                    raise CorruptCheckpointError(
+                        f"{_where(manifest, e, path)} has crc32 {crc} in bytes [{start}, {end}), the manifest says "
+                        f"{e.crc32[i]}: corrupted"
+                    )
+
+
+def _where(manifest: Manifest, e: FileEntry, path: str) -> str:
+    return f"checkpoint step {manifest.step}: data file {path} (tensor {e.tensor!r}, box at {list(e.offsets)})"
+
+
+def needed_blocks(manifest: Manifest, transfers: Sequence) -> dict[FileEntry, set[int]]:
+    """The crc blocks of each file that the staged ``transfers`` read (see ``store.crc``)."""
+    by_box = {(f.tensor, f.offsets): f for f in manifest.files}
+    out: dict[FileEntry, set[int]] = {}
+    for t in transfers:
+        key = (t.item.storage_index.fqn, tuple(t.item.storage_index.offset))
+        entry = by_box.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"checkpoint step {manifest.step}: the manifest lists no file for tensor {key[0]!r} box at {list(key[1])}"
+            )
+        start, end = region_span(entry.lengths, DTYPES[entry.dtype].itemsize, t.item.storage_offsets, t.item.lengths)
+        out.setdefault(entry, set()).update(blocks_of(start, end, manifest.crc_block))
+    return out
+
+
+def build_manifest(step: int, data_dir: str, emus: Sequence[EMU], layouts: Mapping[str, TensorLayout], results, *, state=None, plan=None, rng=()) -> Manifest:
+    """The manifest of a finished save from every rank's write results (pure)."""
+    files = []
+    for rank_results in results:
+        for r in rank_results:
+            info: BoxWritten = r.storage_data
+            layout = layouts[r.index.fqn]
+            offsets = tuple(r.index.offset)
+            lengths = next(l for o, l in layout.unique_boxes() if tuple(o) == offsets)
+            files.append(FileEntry(tensor=layout.name, offsets=offsets, lengths=tuple(lengths), dtype=layout.dtype,
+                                   path=info.path, nbytes=r.size_in_bytes, crc32=tuple(info.crc32)))
+    files.sort(key=lambda f: (f.tensor, f.offsets))
+    return Manifest(step=step, data=data_dir, files=tuple(files), emus=tuple(emus), created=time.time(),
+                    plan=plan, state=dict(state or {}), rng=tuple(rng))
+
+
+def save_checkpoint(
+    root: str,
+    step: int,
+    emus: Sequence[EMU],
+    buffers: Buffers,
+    *,
+    rank: int | None = None,
+    group=None,
+    state: Mapping | None = None,
+    plan: Mapping | None = None,
+    keep: int | None = None,
+    overwrite: bool = False,
+    sync: bool = True,
+    rng: dict | None = None,
+) -> Manifest:
+    """Save every EMU's tensors from every rank (call on all ranks of ``group``).
+
+    ``buffers``: this rank's local buffers by model. ``state``: JSON-able job state (data
+    position, controller, ...; the coordinator's is kept). ``keep``: retention. ``rank``:
+    this process's global rank (default: the process group's). Returns the committed
+    manifest on every rank.
+    """
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    store = CheckpointStore(root)
+    layouts = checkpoint_layouts(emus)
+    flat = flatten(buffers)
+    mine: dict[tuple, tuple[TensorLayout, Shard]] = {}
+    for name, layout in layouts.items():
+        for s in layout.shards:
+            if s.rank == rank:
+                mine.setdefault((name, s.offsets), (layout, s))
+
+    def resolve(name, offsets, lengths):
+        layout, shard = mine[name, tuple(offsets)]
+        try:
+            return shard_view(flat, layout, shard)
+        except KeyError:
+            raise StoreError(f"rank {rank} holds tensor {name!r} box at {list(offsets)} but was given no buffer {shard.buffer or name!r}") from None
+
+    def prepare() -> str:
+        store.check_absent(step, overwrite=overwrite)
+        return store.new_data_dir(step)
+
+    committed: list[Manifest] = []
+
+    def commit(data_dir, metadata, results):
+        manifest = build_manifest(step, data_dir, emus, layouts, results, state=state, plan=dict(plan) if plan else None,
+                                  rng=metadata.planner_data or ())
+        try:
+            store.commit(manifest, overwrite=overwrite)
+        except Exception:
+            store.remove_data(data_dir)
+            raise
+        committed.append(manifest)
+        if keep is not None:
+            store.retain(keep)
+
+    planner = BoxSavePlanner(layouts, plan_owned_boxes(layouts, rank), resolve, rng if rng is not None else rng_state())
+    writer = BoxWriter(store.root, layouts, prepare, commit, sync=sync)
+    no_dist = group is None and not (dist.is_available() and dist.is_initialized())
+    dcp_save(planner, writer, group=group, no_dist=no_dist)
+    return committed[0] if committed else store.manifest(step)
+
+
+def load_checkpoint(
+    root: str,
+    targets: Sequence[EMU],
+    rank: int,
+    buffers: MutableMapping[str, MutableMapping[str, torch.Tensor]] | None = None,
+    *,
+    step: int | None = None,
+    verify: bool = True,
+) -> tuple[Manifest, dict[str, dict[str, torch.Tensor]]]:
+    """Load ``rank``'s buffers of the ``targets`` layouts from a committed checkpoint.
+
+    Reads only the regions this rank needs. ``buffers`` (by model) are filled in place;
+    missing ones are allocated. No collective: ranks may load at different times.
+    """
+    store = CheckpointStore(root)
+    manifest = store.manifest(step)
+    src = [qualify(e) for e in manifest.emus]
+    dst = [qualify(e) for e in targets]
+    plan = plan_transfers(src, dst, live=set(), staged=True, ranks={rank})
+    transfers = staged_transfers(plan, rank)
+    blocks = needed_blocks(manifest, transfers)
+    if verify:
+        store.verify(manifest, blocks)
+    else:
+        store.check_files(manifest, blocks)
+    flat = flatten(buffers or {})
+    load_staged(store.data_url(manifest.data), plan, rank, flat, transfers=transfers, verified=True)
+    out = unflatten(flat)
+    if buffers is not None:
+        for model, bufs in out.items():
+            buffers.setdefault(model, {}).update(bufs)
+    return manifest, out
+
+
+def stage_to_host(emus: Sequence[EMU], buffers: Buffers, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Host copies of the buffers holding boxes this rank writes (pinned when CUDA is up)."""
+    layouts = checkpoint_layouts(emus)
+    owned = {(n, o) for n, o, _ in plan_owned_boxes(layouts, rank)}
+    needed: set[str] = set()
+    for name, layout in layouts.items():
+        for s in layout.shards:
+            if s.rank == rank and (name, s.offsets) in owned:
+                needed.add(s.buffer or name)
+    pin = torch.cuda.is_available()
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in flatten(buffers).items():
+        if key in needed:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host.copy_(t.detach())
+            model, _, name = key.partition("/")
+            out.setdefault(model, {})[name] = host
+    return out
+
+
+class AsyncCheckpointer:
+    """Saves in the background: ``save`` stages to host memory and returns a future.
+
+    Construct on every rank at the same point (it creates a gloo group for the background
+    collectives when a process group is up). ``save`` waits for the previous save first,
+    so at most one is in flight; ``wait`` returns the last committed manifest.
+    """
+
+    def __init__(self, root: str, *, keep: int | None = None, sync: bool = True, group=None) -> None:
+        self.root = normalize_root(root)
+        self.keep, self.sync = keep, sync
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.new_group(backend="gloo")
+        self.group = group
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nereus-ckpt")
+        self._pending: Future | None = None
+
+    def save(self, step: int, emus: Sequence[EMU], buffers: Buffers, *, rank: int | None = None,
+             state: Mapping | None = None, plan: Mapping | None = None) -> Future:
+        self.wait()
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        host = stage_to_host(emus, buffers, rank)
+        rng = rng_state()
+        self._pending = self._pool.submit(
+            save_checkpoint, self.root, step, emus, host, rank=rank, group=self.group, state=state, plan=plan,
+            keep=self.keep, sync=self.sync, rng=rng,
+        )
+        return self._pending
+
+    def wait(self) -> Manifest | None:
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        return pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,285 @@
+"""HuggingFace checkpoints: a directory with ``config.json`` and safetensors weights.
+
+Reading: a single ``model.safetensors`` or shards listed by ``model.safetensors.index.json``
+(``weight_map``: name -> file). Every file the index names must exist, every tensor it
+names must be in that file, and names and shapes must match the decoder described by
+``config.json`` (:func:`check_against_spec`); each mismatch is an error naming the tensor
+and the file. Tensors are read one at a time (``read``), never the whole model.
+
+Writing (:class:`HFWriter`): tensors are streamed in the order of
+``derive.plan_parameters`` into one file, or into ``model-0000k-of-0000n.safetensors``
+shards of at most ``max_shard_bytes`` plus the index, inside a temporary directory that
+is renamed into place at the end, so a failed export leaves no directory that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from nereus.reshard.derive import DecoderSpec, plan_parameters
+from nereus.reshard.layout import DTYPES, dtype_name
+
+from .errors import CheckpointExistsError, ModelMismatchError, StoreError
+from .safetensors_io import SafetensorsWriter, TensorInfo, map_file, read_box, read_header
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports carry; recomputed by models
+
+
+def spec_from_hf_config(config: Mapping, *, dtype: str | None = None) -> DecoderSpec:
+    """The decoder shapes of a Llama/Qwen2-family ``config.json`` (pure).
+
+    Only shapes are read: features that change the forward pass but not the parameters
+    (RoPE scaling, sliding windows) are accepted, since conversion does not run the model.
+    ``trainer.model.ModelArgs.from_hf_config`` is the strict reader for training; the two
+    agree on every shape (tests/store/test_hf.py checks it).
+    """
+    model_type = config.get("model_type", "llama")
+    if model_type not in ("llama", "qwen2"):
+        raise StoreError(f"config.json model_type={model_type!r}: only 'llama' and 'qwen2' are supported")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in config:
+            raise StoreError(f"config.json lacks {key!r}")
+    architecture = (config.get("architectures") or ["ForCausalLM"])[0]
+    head = "value" if architecture.endswith(("ForTokenClassification", "ForSequenceClassification")) else "lm"
+    heads = config["num_attention_heads"]
+    return DecoderSpec(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim"),
+        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        head=head,
+        dtype=dtype_name(dtype or config.get("torch_dtype") or config.get("dtype") or "float32"),
+    )
+
+
+def hf_config_from_spec(spec: DecoderSpec) -> dict:
+    """A minimal Llama ``config.json`` for a spec (used when no config was carried along)."""
+    config = {
+        "architectures": ["LlamaForTokenClassification" if spec.head == "value" else "LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "attention_bias": spec.qkv_bias,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "torch_dtype": spec.dtype,
+    }
+    if spec.head_dim is not None:
+        config["head_dim"] = spec.head_dim
+    return config
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HFCheckpoint:
+    """An opened HF directory: its config and, per tensor, the file and byte range."""
+
+    path: str
+    config: dict
+    tensors: dict[str, TensorInfo]
+    files: dict[str, str]
+
+    @classmethod
+    def open(cls, path: str) -> HFCheckpoint:
+        config_path = os.path.join(path, CONFIG)
+        if not os.path.isfile(config_path):
+            raise StoreError(f"{path}: no {CONFIG} (a HuggingFace model directory needs one)")
+        config = _read_json(config_path)
+        index_path = os.path.join(path, INDEX)
+        if os.path.isfile(index_path):
+            weight_map = _read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise StoreError(f"{index_path}: no 'weight_map'")
+        elif os.path.isfile(os.path.join(path, SINGLE)):
+            weight_map = None
+        else:
+            raise StoreError(f"{path}: neither {SINGLE} nor {INDEX}")
+        tensors: dict[str, TensorInfo] = {}
+        files: dict[str, str] = {}
+        shards = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+        for shard in shards:
+            file = os.path.join(path, shard)
+            if not os.path.isfile(file):
+                raise StoreError(f"{index_path}: points to {shard!r}, which does not exist ({file})")
+            infos, _ = read_header(file)
+            for name, info in infos.items():
+                if weight_map is not None and weight_map.get(name) != shard:
+                    continue  # a tensor the index places elsewhere (or not at all) is not read from here
+                tensors[name], files[name] = info, file
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                if name not in tensors:
+                    raise StoreError(f"{index_path}: tensor {name!r} is mapped to {shard!r}, which does not hold it")
+        return cls(path=path, config=config, tensors=tensors, files=files)
+
+    def spec(self, dtype: str | None = None) -> DecoderSpec:
+        return spec_from_hf_config(self.config, dtype=dtype)
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole tensor ``name`` in its stored dtype, read into ``out`` (or a new tensor)."""
+        info = self.tensors[name]
+        out = torch.empty(info.shape, dtype=DTYPES[info.dtype]) if out is None else out
+        read_box(self.files[name], info, (0,) * len(info.shape), info.shape, out)
+        return out
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as a read-only view of a memory map of its bytes (``map_file``):
+        no copy; the pages leave the process's memory when the last view is dropped."""
+        info = self.tensors[name]
+        dtype = DTYPES[info.dtype]
+        raw = map_file(self.files[name], info.start, info.nbytes)
+        if raw.data_ptr() % dtype.itemsize:  # an unaligned tensor in a foreign file: copy it
+            return self.read(name)
+        return raw.view(dtype).view(info.shape)
+
+
+def check_against_spec(ckpt: HFCheckpoint, spec: DecoderSpec) -> None:
+    """Every parameter of ``spec`` is present with its shape; no unknown tensors."""
+    expected = {name: shape for name, shape, _, _ in plan_parameters(spec)}
+    for name, shape in expected.items():
+        info = ckpt.tensors.get(name)
+        if info is None:
+            raise ModelMismatchError(f"{ckpt.path}: tensor {name!r} is missing (the config describes it)")
+        if info.shape != tuple(shape):
+            raise ModelMismatchError(
+                f"{ckpt.files[name]}: tensor {name!r} has shape {list(info.shape)}, the config says {list(shape)}"
+            )
+        if not DTYPES[info.dtype].is_floating_point:
+            raise ModelMismatchError(f"{ckpt.files[name]}: tensor {name!r} has non-float dtype {info.dtype}")
+    tied_head = spec.tie_embeddings and "lm_head.weight" in ckpt.tensors
+    extra = [
+        n for n in ckpt.tensors
+        if n not in expected and not n.endswith(IGNORED_SUFFIXES) and not (tied_head and n == "lm_head.weight")
+    ]
+    if extra:
+        raise ModelMismatchError(
+            f"{ckpt.files[extra[0]]}: tensor {extra[0]!r} is not a parameter of the model the config describes"
+            f" ({len(extra)} such tensors)"
+        )
+
+
+def plan_hf_files(entries: list[tuple[str, str, tuple[int, ...]]], max_shard_bytes: int) -> dict[str, list]:
+    """File name -> its entries, in order: one file if all fit, else ``model-k-of-n`` shards (pure)."""
+    sizes = [math.prod(shape) * DTYPES[dtype].itemsize for _, dtype, shape in entries]
+    if sum(sizes) <= max_shard_bytes:
+        return {SINGLE: list(entries)}
+    groups: list[list] = [[]]
+    used = 0
+    for entry, size in zip(entries, sizes):
+        if groups[-1] and used + size > max_shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(entry)
+        used += size
+    n = len(groups)
+    return {f"model-{k + 1:05d}-of-{n:05d}.safetensors": g for k, g in enumerate(groups)}
+
+
+class HFWriter:
+    """Writes a HF directory tensor by tensor: ``write(name, tensor)`` in declared order, then ``close()``.
+
+    Everything goes into ``<dst>.tmp-<id>/``; ``close`` renames it to ``dst`` (moving an
+    existing ``dst`` aside first when ``overwrite``, then deleting it). ``abort`` removes
+    the temporary directory.
+    """
+
+    def __init__(
+        self,
+        dst: str,
+        entries: list[tuple[str, str, tuple[int, ...]]],
+        config: Mapping,
+        *,
+        overwrite: bool = False,
+        max_shard_bytes: int = 5_000_000_000,
+        sync: bool = True,
+    ):
+        dst = os.path.abspath(dst)
+        if os.path.exists(dst) and (os.listdir(dst) if os.path.isdir(dst) else True) and not overwrite:
+            raise CheckpointExistsError(f"{dst} already exists and is not empty; pass --overwrite to replace it")
+        self.dst = dst
+        self._overwrite = overwrite
+        self._sync = sync
+        self._tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
+        os.makedirs(self._tmp)
+        self._files = plan_hf_files(entries, max_shard_bytes)
+        self._order = [(file, e[0]) for file, es in self._files.items() for e in es]
+        self._pos = 0
+        self._writer: SafetensorsWriter | None = None
+        self._total = sum(math.prod(s) * DTYPES[d].itemsize for _, d, s in entries)
+        with open(os.path.join(self._tmp, CONFIG), "w") as f:
+            json.dump(dict(config), f, indent=2, sort_keys=True)
+
+    def write(self, name: str, tensor: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Write the next tensor: a tensor, or its consecutive dim-0 slabs (see SafetensorsWriter)."""
+        if self._pos >= len(self._order):
+            raise StoreError(f"{self.dst}: tensor {name!r} written past the declared tensors")
+        file, expected = self._order[self._pos]
+        if name != expected:
+            raise StoreError(f"{self.dst}: expected tensor {expected!r} next, got {name!r}")
+        if self._writer is None or os.path.basename(self._writer.path) != file:
+            if self._writer is not None:
+                self._writer.close()
+            self._writer = SafetensorsWriter(
+                os.path.join(self._tmp, file), self._files[file], {"format": "pt"}, sync=self._sync
+            )
+        self._writer.write(name, tensor)
+        self._pos += 1
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._pos != len(self._order):
+            self.abort()
+            raise StoreError(f"{self.dst}: {len(self._order) - self._pos} tensors were never written")
+        if len(self._files) > 1:
+            index = {
+                "metadata": {"total_size": self._total},
+                "weight_map": {e[0]: file for file, es in self._files.items() for e in es},
+            }
+            with open(os.path.join(self._tmp, INDEX), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+        old = None
+        if os.path.exists(self.dst):
+            old = f"{self.dst}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.dst, old)
+        os.replace(self._tmp, self.dst)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.unlink(old)
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise StoreError(f"{path}: not a JSON object")
+    return value

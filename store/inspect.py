@@ -1,0 +1,84 @@
+"""Human- and machine-readable views of a checkpoint root (for ``nereus inspect``)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+
+from nereus.reshard.layout import TensorLayout
+
+from .checkpoint import CheckpointStore, normalize_root
+from .errors import StoreError
+from .hf import is_hf_dir
+from .records import Manifest, manifest_to_dict
+
+
+def open_root(path: str) -> CheckpointStore:
+    root = normalize_root(path)
+    if "://" not in root:
+        if os.path.isdir(root) and is_hf_dir(root):
+            raise StoreError(f"{path} is a HuggingFace model directory, not a Nereus checkpoint")
+        if not os.path.isdir(os.path.join(root, "meta")):
+            raise StoreError(f"{path} is not a Nereus checkpoint (no meta/ store)")
+    return CheckpointStore(root)
+
+
+def manifest_json(path: str, step: int | None = None) -> dict:
+    """The manifest record as stored, plus the list of committed steps."""
+    store = open_root(path)
+    manifest = store.manifest(step)
+    return {"root": store.root, "steps": store.steps(), "manifest": manifest_to_dict(manifest)}
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    r = sorted(ranks)
+    return f"{r[0]}-{r[-1]}" if r == list(range(r[0], r[-1] + 1)) and len(r) > 1 else ",".join(map(str, r))
+
+
+def _box(layout: TensorLayout, offsets, lengths) -> str:
+    if not layout.shape:
+        return "scalar"
+    parts = [":" if (o, n) == (0, s) else f"{o}:{o + n}" for o, n, s in zip(offsets, lengths, layout.shape)]
+    return "[" + ",".join(parts) + "]"
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def describe_manifest(m: Manifest) -> str:
+    when = _dt.datetime.fromtimestamp(m.created).isoformat(timespec="seconds") if m.created else "?"
+    lines = [
+        f"step {m.step}: {m.status} {when}, {len(m.files)} files, {_size(m.nbytes)} in {m.data}",
+        f"state: {', '.join(sorted(m.state)) or '-'}; RNG states of {len(m.rng)} rank(s)",
+        "",
+    ]
+    rows = [["model", "stage", "replica", "layout", "ranks", "tensors", "bytes", "version"]]
+    for e in m.emus:
+        rows.append([e.model, e.stage, str(e.replica), e.config.describe(), _ranks(e.ranks), str(len(e.tensors)),
+                     _size(e.nbytes), str(e.version)])
+    lines += [table(rows), ""]
+    for e in m.emus:
+        lines.append(f"{e.label}:")
+        rows = [["tensor", "shape", "dtype", "shards (rank box)"]]
+        for t in e.tensors:
+            shards = " ".join(f"r{s.rank}{_box(t, s.offsets, s.lengths)}" for s in t.shards)
+            rows.append([t.name, "x".join(map(str, t.shape)) or "()", t.dtype, shards])
+        lines += [table(rows), ""]
+    return "\n".join(lines).rstrip()
+
+
+def describe(path: str, step: int | None = None) -> str:
+    store = open_root(path)
+    steps = store.steps()
+    manifest = store.manifest(step)
+    return f"{store.root}: {len(steps)} committed checkpoint(s) at steps {steps}\n" + describe_manifest(manifest)

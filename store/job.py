@@ -1,0 +1,82 @@
+"""The job record and plan history, updated by compare-and-swap.
+
+``record_plan`` writes ``plans/<i>`` and appends ``i`` to the job record in ONE atomic
+transaction conditioned on both keys, so two processes recording plans at once never
+both take index ``i`` and never drop each other's entry: the loser re-reads and retries.
+``record_transition`` appends to the job record the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Mapping, Sequence
+
+from nereus.reshard.layout import EMU
+
+from .errors import ConflictError, StoreError
+from .kv import ABSENT, MetaStore
+from .records import JOB_KEY, JobRecord, Transition, job_from_dict, job_to_dict, plan_emus, plan_key, plan_record
+
+RETRIES = 50
+
+
+def record_job(store: MetaStore, config: Mapping) -> JobRecord:
+    """Create the job record with its resolved config, or return the existing one."""
+    entry = store.get(JOB_KEY)
+    if entry is not None:
+        return job_from_dict(JOB_KEY, entry.value)
+    job = JobRecord(config=dict(config))
+    try:
+        store.put(JOB_KEY, job_to_dict(job), expect=ABSENT)
+    except ConflictError:
+        return job_from_dict(JOB_KEY, store.get(JOB_KEY).value)
+    return job
+
+
+def read_job(store: MetaStore) -> JobRecord:
+    entry = store.get(JOB_KEY)
+    if entry is None:
+        raise StoreError(f"{store.url}: no job record")
+    return job_from_dict(JOB_KEY, entry.value)
+
+
+def _update_job(store: MetaStore, change: Callable[[JobRecord], tuple[JobRecord, dict]]) -> JobRecord:
+    """Apply ``change`` (job -> (new job, extra create-only writes)) by CAS, retrying on conflict."""
+    for _ in range(RETRIES):
+        entry = store.get(JOB_KEY)
+        if entry is None:
+            raise StoreError(f"{store.url}: no job record; call record_job first")
+        job, extra = change(job_from_dict(JOB_KEY, entry.value))
+        expect = {JOB_KEY: entry.generation, **{key: ABSENT for key in extra}}
+        try:
+            store.commit({JOB_KEY: job_to_dict(job), **extra}, expect=expect)
+            return job
+        except ConflictError:
+            continue
+    raise ConflictError(f"{store.url}: job record kept changing; gave up after {RETRIES} attempts")
+
+
+def record_plan(store: MetaStore, emus: Sequence[EMU], config: Mapping | None = None) -> int:
+    """Store a plan's EMUs as ``plans/<i>`` and append ``i`` to the job's history; returns ``i``."""
+    chosen: list[int] = []
+
+    def change(job: JobRecord) -> tuple[JobRecord, dict]:
+        index = (max(job.plans) + 1) if job.plans else 0
+        chosen[:] = [index]
+        return replace(job, plans=job.plans + (index,)), {plan_key(index): plan_record(index, emus, config)}
+
+    _update_job(store, change)
+    return chosen[0]
+
+
+def read_plan(store: MetaStore, index: int) -> list[EMU]:
+    key = plan_key(index)
+    entry = store.get(key)
+    if entry is None:
+        raise StoreError(f"{store.url}: no plan record {key!r}")
+    return plan_emus(key, entry.value)
+
+
+def record_transition(store: MetaStore, transition: Transition) -> JobRecord:
+    """Append a transition (predicted and measured cost) to the job record."""
+    return _update_job(store, lambda job: (replace(job, transitions=job.transitions + (transition,)), {}))

@@ -1,0 +1,280 @@
+"""Checkpoints: save under one layout and world size, load under others, every element compared."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from nereus.reshard.derive import DecoderSpec, derive_emus
+from nereus.reshard.layout import ParallelConfig
+from nereus.reshard.plan import merge_layouts
+from nereus.reshard.reference import mismatches, reference_state
+from nereus.store.checkpoint import AsyncCheckpointer, CheckpointStore, load_checkpoint, save_checkpoint
+from nereus.store.errors import CheckpointExistsError, ConflictError, CorruptCheckpointError, SchemaError
+from nereus.store.records import checkpoint_key
+from tests.distributed_harness import run_distributed
+
+SPEC = DecoderSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2)
+
+
+def emus_of(dp=1, tp=1, pp=1, **kwargs):
+    return derive_emus(SPEC, ParallelConfig.on(dp=dp, tp=tp, pp=pp), model="actor", stage="train", optimizer=True, **kwargs)
+
+
+def layouts_of(emus):
+    return list(merge_layouts(emus, "test").values())
+
+
+def saved_single(root, step, emus, seed=0, **kwargs):
+    """Save from one process holding every rank's state (a tp=1, pp=1 layout on rank 0)."""
+    bufs = reference_state(layouts_of(emus), 0, seed)
+    return save_checkpoint(root, step, emus, {"actor": bufs}, rank=0, **kwargs)
+
+
+def assert_loads_exactly(root, targets, seed=0, step=None):
+    layouts = layouts_of(targets)
+    for rank in sorted({r for e in targets for r in e.ranks}):
+        _, out = load_checkpoint(root, targets, rank, step=step)
+        assert mismatches(out.get("actor", {}), layouts, rank, seed) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "memory"])
+def test_single_process_round_trip_into_other_layouts(tmp_path, kind):
+    root = str(tmp_path / "ck") if kind == "file" else f"memory://ck-{tmp_path.name}"
+    manifest = saved_single(root, 7, emus_of(), state={"data_position": 123})
+    store = CheckpointStore(root)
+    assert store.steps() == [7] and store.manifest().state == {"data_position": 123}
+    assert store.manifest().files == manifest.files
+    for target in (emus_of(tp=2, pp=2), emus_of(dp=2, tp=4), emus_of(dp=3, dp_shard=True)):
+        assert_loads_exactly(root, target)
+
+
+def _save_rank(rank, world, root):
+    """Step 10 saved synchronously, step 11 asynchronously (state changed right after staging)."""
+    emus = emus_of(tp=2, pp=2)
+    bufs = reference_state(layouts_of(emus), rank)
+    m = save_checkpoint(root, 10, emus, {"actor": bufs}, rank=rank, state={"step": 10})
+    saver = AsyncCheckpointer(root)
+    try:
+        bufs = reference_state(layouts_of(emus), rank, seed=11)
+        future = saver.save(11, emus, {"actor": bufs}, rank=rank, state={"step": 11})
+        for t in bufs.values():
+            t.fill_(float("nan"))
+        assert future.result(timeout=60).step == 11
+    finally:
+        saver.close()
+    return m.step, len(m.files), len(m.rng)
+
+
+def _load_rank(rank, world, root, config, step, seed):
+    targets = emus_of(**config)
+    _, out = load_checkpoint(root, targets, rank, step=step)
+    return mismatches(out.get("actor", {}), layouts_of(targets), rank, seed)
+
+
+@pytest.mark.timeout(180)
+def test_saved_on_4_processes_loads_on_2_and_3(tmp_path):
+    """tp=2,pp=2 with AdamW state on 4 gloo processes (sync and async saves) -> tp=2 on 2, pp=3 on 3."""
+    root = str(tmp_path / "ck")
+    results = run_distributed(_save_rank, 4, root, timeout=90)
+    assert {r[0] for r in results} == {10} and results[0][2] == 4
+    for d in os.listdir(tmp_path / "ck" / "data"):
+        assert not any("rank" in f for f in os.listdir(tmp_path / "ck" / "data" / d))
+    assert CheckpointStore(root).steps() == [10, 11]
+    assert run_distributed(_load_rank, 2, root, {"tp": 2}, 10, 0, timeout=60) == [[], []]
+    assert run_distributed(_load_rank, 3, root, {"pp": 3}, 11, 11, timeout=60) == [[], [], []]
+
+
+def _slow_writer(root, started):
+    """Save step 1, then a step-2 save that writes slowly (so the test can kill it mid-way)."""
+    import nereus.store.dcp_io as dcp_io
+
+    torch.set_num_threads(1)
+    saved_single(root, 1, emus_of(), seed=1)
+    original = dcp_io.write_file
+
+    def slow(*args, **kwargs):
+        flush = original(*args, **kwargs)
+        time.sleep(0.05)
+        return flush
+
+    dcp_io.write_file = slow
+    started.set()
+    saved_single(root, 2, emus_of(), seed=2)
+
+
+@pytest.mark.timeout(120)
+def test_writer_killed_mid_save_leaves_previous_checkpoint(tmp_path):
+    root = str(tmp_path / "ck")
+    ctx = mp.get_context("spawn")
+    started = ctx.Event()
+    proc = ctx.Process(target=_slow_writer, args=(root, started))
+    proc.start()
+    try:
+        assert started.wait(60)
+        deadline = time.monotonic() + 30
+        partial = []
+        while time.monotonic() < deadline and not partial:
+            dirs = [d for d in os.listdir(tmp_path / "ck" / "data") if d.startswith("000000000002")]
+            partial = [f for d in dirs for f in os.listdir(tmp_path / "ck" / "data" / d) if f.endswith(".bin")]
+            time.sleep(0.01)
+        assert partial, "the writer never started step 2"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    store = CheckpointStore(root)
+    assert store.steps() == [1]
+    assert_loads_exactly(root, emus_of(tp=2), seed=1)
+    saved_single(root, 2, emus_of(), seed=2)  # a retry is not blocked by the partial save
+    assert store.steps() == [1, 2]
+    assert_loads_exactly(root, emus_of(pp=2), seed=2)
+
+
+def _racing_writer(root, barrier, queue):
+    torch.set_num_threads(1)
+    barrier.wait(60)
+    try:
+        saved_single(root, 5, emus_of(), seed=5)
+        queue.put("committed")
+    except (ConflictError, CheckpointExistsError) as e:
+        queue.put(type(e).__name__)
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_writers_of_one_step_exactly_one_commits(tmp_path):
+    root = str(tmp_path / "ck")
+    CheckpointStore(root)
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_racing_writer, args=(root, barrier, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    outcomes = [queue.get(timeout=5) for _ in procs]
+    assert outcomes.count("committed") == 1, outcomes
+    assert {o for o in outcomes if o != "committed"} <= {"CheckpointExistsError", "ConflictError"}, outcomes
+    assert CheckpointStore(root).steps() == [5]
+    assert len(os.listdir(tmp_path / "ck" / "data")) == 1  # the loser removed its data
+    assert_loads_exactly(root, emus_of(tp=2), seed=5)
+
+
+def test_async_save_stages_then_commits_and_retains(tmp_path):
+    root = str(tmp_path / "ck")
+    emus = emus_of()
+    layouts = layouts_of(emus)
+    saver = AsyncCheckpointer(root, keep=2)
+    try:
+        for step in (1, 2, 3):
+            bufs = reference_state(layouts, 0, seed=step)
+            saver.save(step, emus, {"actor": bufs}, state={"step": step})
+            for t in bufs.values():  # training goes on and changes the state at once
+                t.zero_()
+        assert saver.wait().step == 3
+    finally:
+        saver.close()
+    store = CheckpointStore(root)
+    assert store.steps() == [2, 3] and len(os.listdir(tmp_path / "ck" / "data")) == 2
+    assert_loads_exactly(root, emus_of(tp=2), seed=3)
+    assert_loads_exactly(root, emus_of(pp=2), seed=2, step=2)
+
+
+def test_existing_step_is_refused_unless_overwrite(tmp_path):
+    root = str(tmp_path / "ck")
+    saved_single(root, 1, emus_of(), seed=1)
+    with pytest.raises(CheckpointExistsError, match="step 1"):
+        saved_single(root, 1, emus_of(), seed=2)
+    saved_single(root, 1, emus_of(), seed=2, overwrite=True)
+    assert len(os.listdir(tmp_path / "ck" / "data")) == 1
+    assert_loads_exactly(root, emus_of(tp=2), seed=2)
+
+
+def _first_file(root, store):
+    m = store.manifest()
+    return m, os.path.join(root, m.data, m.files[3].path), m.files[3]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_data_file_is_named_and_nothing_loads(tmp_path, damage):
+    root = str(tmp_path / "ck")
+    saved_single(root, 1, emus_of())
+    store = CheckpointStore(root)
+    _, path, entry = _first_file(root, store)
+    if damage == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(entry.nbytes - 4)
+        match = "truncated"
+    elif damage == "flip":
+        with open(path, "r+b") as f:
+            byte = f.read(1)
+            f.seek(0)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        match = "corrupted"
+    else:
+        os.unlink(path)
+        match = "is missing"
+    with pytest.raises(CorruptCheckpointError, match=f"{os.path.basename(path)}.*{entry.tensor}.*{match}"):
+        load_checkpoint(root, emus_of(), 0)
+
+
+def test_unknown_schema_version_is_refused(tmp_path):
+    root = str(tmp_path / "ck")
+    saved_single(root, 1, emus_of())
+    store = CheckpointStore(root)
+    record = store.meta.get(checkpoint_key(1)).value
+    store.meta.put(checkpoint_key(1), {**record, "schema": 99})
+    with pytest.raises(SchemaError, match=r"'checkpoints/000000000001' has schema version 99"):
+        store.manifest()
+
+
+def _one_tensor_emu(shards, ranks):
+    from nereus.reshard.layout import EMU, Shard, TensorLayout
+
+    layout = TensorLayout(name="w", shape=(2048, 1024), dtype="float32",
+                          shards=tuple(Shard(rank=r, offsets=o, lengths=n) for r, o, n in shards))
+    config = ParallelConfig.on(tp=len(ranks))
+    return [EMU(model="m", stage="s", replica=0, config=config, ranks=tuple(ranks), tensors=(layout,))]
+
+
+def test_a_rank_verifies_and_reads_only_the_blocks_it_needs(tmp_path):
+    """An 8 MiB box has two 4 MiB crc blocks; damage in the second half stops only the rank that reads it."""
+    root = str(tmp_path / "ck")
+    src = _one_tensor_emu([(0, (0, 0), (2048, 1024))], [0])
+    save_checkpoint(root, 1, src, {"m": reference_state(layouts_of(src), 0)}, rank=0)
+    manifest = CheckpointStore(root).manifest()
+    (entry,) = manifest.files
+    assert len(entry.crc32) == 2
+    path = os.path.join(root, manifest.data, entry.path)
+    with open(path, "r+b") as f:
+        f.seek(6 << 20)
+        byte = f.read(1)
+        f.seek(6 << 20)
+        f.write(bytes([byte[0] ^ 0x10]))
+    dst = _one_tensor_emu([(0, (0, 0), (1024, 1024)), (1, (1024, 0), (1024, 1024))], [0, 1])
+    _, out = load_checkpoint(root, dst, 0)
+    assert mismatches(out["m"], layouts_of(dst), 0) == []
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'm/w'.*bytes \[4194304, 8388608\).*corrupted"):
+        load_checkpoint(root, dst, 1)
+
+
+def test_rng_states_restore_at_the_same_world_size(tmp_path):
+    from nereus.store.checkpoint import restore_rng
+
+    root = str(tmp_path / "ck")
+    torch.manual_seed(1234)
+    saved_single(root, 3, emus_of())
+    expected = torch.rand(4)
+    manifest = CheckpointStore(root).manifest()
+    assert restore_rng(manifest, 0, 1) and torch.equal(torch.rand(4), expected)
+    assert not restore_rng(manifest, 1, 2)  # another world size: reseeded from (step, rank)
+    first = torch.rand(4)
+    restore_rng(manifest, 1, 2)
+    assert torch.equal(torch.rand(4), first)

@@ -1,0 +1,146 @@
+"""The metadata store: specs (pure), CAS, atomic commits, concurrent writers across processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from nereus.store.errors import ConflictError, StoreError
+from nereus.store.kv import ABSENT, MetaStore, plan_kvstore_spec, split_url
+
+
+@pytest.mark.parametrize(
+    "url, base",
+    [
+        ("/data/job", {"driver": "file", "path": "/data/job/meta/"}),
+        ("file:///data/job/", {"driver": "file", "path": "/data/job/meta/"}),
+        ("memory://job1", {"driver": "memory", "path": "job1/meta/"}),
+        ("gs://bucket/runs/a", {"driver": "gcs", "bucket": "bucket", "path": "runs/a/meta/"}),
+        ("s3://bucket/runs/a/", {"driver": "s3", "bucket": "bucket", "path": "runs/a/meta/"}),
+        ("s3://bucket", {"driver": "s3", "bucket": "bucket", "path": "meta/"}),
+    ],
+)
+def test_spec_is_ocdbt_over_the_url(url, base):
+    assert plan_kvstore_spec(url) == {"driver": "ocdbt", "base": base}
+
+
+def test_spec_rejects_unknown_schemes():
+    with pytest.raises(StoreError, match="ftp"):
+        plan_kvstore_spec("ftp://host/x")
+    assert split_url("relative/dir") == ("file", "relative/dir")
+
+
+@pytest.fixture(params=["file", "memory"])
+def store(request, tmp_path):
+    url = str(tmp_path / "root") if request.param == "file" else f"memory://kv-{tmp_path.name}"
+    return MetaStore.open(url)
+
+
+def test_records_round_trip_and_reopen(store):
+    store.put("a/x", {"schema": 1, "v": [1, 2]})
+    assert store.get("a/x").value == {"schema": 1, "v": [1, 2]}
+    assert store.get("missing") is None
+    again = MetaStore.open(store.url)  # a memory:// URL reopens the same data in-process
+    assert again.get("a/x").value["v"] == [1, 2]
+    assert again.keys("a/") == ["a/x"] and again.keys("b/") == []
+
+
+def test_create_only_write_loses_loudly(store):
+    store.put("k", {"n": 1}, expect=ABSENT)
+    with pytest.raises(ConflictError, match="'k' already exists"):
+        store.put("k", {"n": 2}, expect=ABSENT)
+    assert store.get("k").value == {"n": 1}
+
+
+def test_compare_and_swap_detects_a_stale_read(store):
+    store.put("k", {"n": 1})
+    first = store.get("k")
+    store.put("k", {"n": 2}, expect=first.generation)
+    with pytest.raises(ConflictError, match="changed since it was read"):
+        store.put("k", {"n": 3}, expect=first.generation)
+    assert store.get("k").value == {"n": 2}
+
+
+def test_missing_key_generation_is_absent(store):
+    assert store.generation("nothing-here") == ABSENT
+
+
+def test_atomic_commit_all_or_nothing(store):
+    store.put("k", {"n": 1})
+    gen = store.get("k").generation
+    store.put("k", {"n": 2})
+    with pytest.raises(ConflictError):
+        store.commit({"x": {"a": 1}, "k": {"n": 9}}, expect={"k": gen})
+    assert store.get("x") is None and store.get("k").value == {"n": 2}
+    store.commit({"x": {"a": 1}, "k": None}, expect={"k": store.generation("k")})
+    assert store.get("x").value == {"a": 1} and store.get("k") is None
+
+
+def _increment(url: str, times: int, queue) -> None:
+    store = MetaStore.open(url)
+    lost = 0
+    done = 0
+    while done < times:
+        entry = store.get("counter")
+        n = entry.value["n"] if entry else 0
+        try:
+            store.put("counter", {"n": n + 1}, expect=entry.generation if entry else ABSENT)
+            done += 1
+        except ConflictError:
+            lost += 1
+    queue.put(lost)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_writers_on_ocdbt_never_lose_an_update(tmp_path):
+    """Three spawned processes increment one counter by CAS: no update is lost."""
+    url = str(tmp_path / "root")
+    MetaStore.open(url)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_increment, args=(url, 20, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(50)
+        assert p.exitcode == 0
+    [queue.get(timeout=5) for _ in procs]
+    assert MetaStore.open(url).get("counter").value == {"n": 60}
+
+
+# ------------------------------------------------------------------ job record and plans
+
+
+def _record_plans(url: str, n: int, tag: int, queue) -> None:
+    from nereus.reshard.derive import DecoderSpec, derive_emus
+    from nereus.reshard.layout import ParallelConfig
+    from nereus.store.job import record_plan
+
+    store = MetaStore.open(url)
+    spec = DecoderSpec(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=2)
+    emus = derive_emus(spec, ParallelConfig.on(tp=2), model="actor", stage="train")
+    queue.put([record_plan(store, emus, {"writer": tag}) for _ in range(n)])
+
+
+@pytest.mark.timeout(60)
+def test_plans_recorded_concurrently_get_distinct_indices(tmp_path):
+    from nereus.store.job import read_job, read_plan, record_job, record_transition
+    from nereus.store.records import Transition
+
+    url = str(tmp_path / "root")
+    record_job(MetaStore.open(url), {"lr": 1e-5})
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_record_plans, args=(url, 5, tag, queue)) for tag in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(50)
+        assert p.exitcode == 0
+    indices = sorted(i for _ in procs for i in queue.get(timeout=5))
+    assert indices == list(range(10))
+    store = MetaStore.open(url)
+    job = record_transition(store, Transition(step=3, from_plan=0, to_plan=1, predicted_s=1.5, measured_s=1.7, nbytes=10))
+    assert read_job(store) == job and sorted(job.plans) == indices and job.config == {"lr": 1e-5}
+    assert read_plan(store, 7)[0].config.tp == 2

@@ -1,0 +1,59 @@
+"""Pure pieces: block checksums and spans, manifest JSON round trip and schema checks."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from nereus.reshard.derive import DecoderSpec, derive_emus
+from nereus.reshard.layout import ParallelConfig
+from nereus.store.crc import block_crc32, blocks_of, region_span
+from nereus.store.errors import SchemaError
+from nereus.store.records import FileEntry, Manifest, manifest_from_dict, manifest_to_dict
+
+
+def test_block_crc32_cuts_into_blocks():
+    data = bytes(range(256)) * 40  # 10240 bytes
+    assert block_crc32(data, 4096) == tuple(f"{zlib.crc32(data[i:i + 4096]):08x}" for i in (0, 4096, 8192))
+    assert block_crc32(b"", 4096) == (f"{zlib.crc32(b''):08x}",)
+
+
+def test_region_span_matches_the_bytes_a_region_touches():
+    box = torch.arange(4 * 6 * 5, dtype=torch.int32).view(4, 6, 5)
+    raw = box.reshape(-1)
+    for offsets, lengths in [((1, 2, 0), (2, 3, 5)), ((0, 0, 3), (4, 6, 2)), ((3, 5, 4), (1, 1, 1))]:
+        start, end = region_span(box.shape, 4, offsets, lengths)
+        region = box[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+        touched = set(region.reshape(-1).tolist())
+        assert min(touched) * 4 == start and (max(touched) + 1) * 4 == end
+        assert touched <= set(raw[start // 4 : end // 4].tolist())
+    assert region_span((), 2, (), ()) == (0, 2)
+    assert list(blocks_of(0, 4096, 4096)) == [0] and list(blocks_of(4095, 4097, 4096)) == [0, 1]
+    assert list(blocks_of(5, 5, 4096)) == []
+
+
+def _manifest() -> Manifest:
+    spec = DecoderSpec(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1)
+    emus = derive_emus(spec, ParallelConfig.on(tp=2), model="actor", stage="train")
+    files = (FileEntry(tensor="actor/x", offsets=(0, 4), lengths=(2, 4), dtype="bfloat16", path="x@0_4.bin", nbytes=16, crc32=("0badf00d",)),)
+    return Manifest(step=3, data="data/000000000003-ab", files=files, emus=tuple(emus), created=1.5,
+                    plan={"index": 2}, state={"data_position": 9}, rng=({"cpu": "AAA="},))
+
+
+def test_manifest_json_round_trip():
+    m = _manifest()
+    assert manifest_from_dict("k", manifest_to_dict(m)) == m
+    assert manifest_to_dict(m)["bytes"] == 16
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"schema": 2}, "schema version 2"),
+    ({"kind": "job"}, "is a 'job' record"),
+    ({"files": [["actor/x", [0], [3], "float32", "p", 5, []]]}, "5 bytes, box needs 12"),
+])
+def test_bad_manifests_are_refused_with_the_key(change, match):
+    record = {**manifest_to_dict(_manifest()), **change}
+    with pytest.raises(SchemaError, match=match):
+        manifest_from_dict("checkpoints/000000000003", record)
