@@ -5,12 +5,6 @@ registered here, one line each, so this file stays a table of contents::
 
     from nereus.cli.demo import demo
     app.command()(demo)
-from nereus.cli.convert import convert  # noqa: E402
-
-app.command()(convert)
-from nereus.cli.inspect import inspect  # noqa: E402
-
-app.command()(inspect)
 
 Commands parse and validate their arguments, then call library code; no logic here.
 """

@@ -7,7 +7,7 @@ A checkpoint root (a local directory, ``memory://...``, ``gs://...``, ``s3://...
 
 Save (:func:`save_checkpoint`, every rank): each rank writes the boxes it is the lowest
 holder of, in parallel, through ``dcp.save`` (``dcp_io``); the coordinator then writes the
-manifest — step, EMUs, every file with its bytes and crc32, job state, RNG states — with a
+manifest — step, EMUs, every file with its bytes and block checksums, job state, RNG states — with a
 create-only compare-and-swap. The checkpoint exists from that instant: a save killed
 earlier leaves a data directory that no manifest names, which is never listed or loaded;
 two writers committing the same step are told (:class:`ConflictError`) and the loser
@@ -15,7 +15,7 @@ removes its data. Tensors are keyed ``<model>/<name>`` so several models share a
 
 Load (:func:`load_checkpoint`, each rank on its own, no collective): the transfer plan
 from the saved EMUs to the target EMUs (``plan_transfers(..., live=set(), staged=True)``)
-lists exactly the regions this rank needs; their files are checked (present, whole, crc32
+lists exactly the regions this rank needs; their files are checked (present, whole, checksums
 as committed) before any byte moves, then ``reshard.staged.load_staged`` reads only those
 regions into the rank's buffers.
 
@@ -46,7 +46,7 @@ from nereus.reshard.staged import load_staged, staged_transfers
 from .dcp_io import BoxSavePlanner, BoxWriter, BoxWritten, dcp_save, plan_owned_boxes
 from .errors import CheckpointExistsError, ConflictError, CorruptCheckpointError, StoreError
 from .kv import ABSENT, MetaStore, join_url, split_url
-from .crc import block_crc32, blocks_of, region_span
+from .checksum import block_checksums, blocks_of, region_span
 from .safetensors_io import map_file
 from .records import CHECKPOINT_PREFIX, FileEntry, Manifest, checkpoint_key, manifest_from_dict, manifest_to_dict
 
@@ -214,24 +214,24 @@ class CheckpointStore:
 
     def verify(self, manifest: Manifest, blocks: Mapping[FileEntry, Iterable[int]] | None = None) -> None:
         """Raise :class:`CorruptCheckpointError` naming the first file missing, truncated or
-        with a block whose crc32 differs from the manifest's. ``blocks``: the blocks to
+        with a block whose checksum differs from the manifest's. ``blocks``: the blocks to
         check per file (default: every block of every file); only those bytes are read."""
         if blocks is None:
-            blocks = {e: range(len(e.crc32)) for e in manifest.files}
+            blocks = {e: range(len(e.checksums)) for e in manifest.files}
         self.check_files(manifest, blocks)
         base = f"{self.path.rstrip('/')}/{manifest.data}"
-        size = manifest.crc_block
+        size = manifest.checksum_block
         local = isinstance(self.fs, LocalFileSystem)
         for e, indices in blocks.items():
             path = f"{base}/{e.path}"
             for i in sorted(set(indices)):
                 start, end = i * size, min((i + 1) * size, e.nbytes)
                 data = map_file(path, start, end - start).numpy() if local else self.fs.cat_file(path, start=start, end=end)
-                (crc,) = block_crc32(data, size)
-                if crc != e.crc32[i]:
+                (got,) = block_checksums(data, size)
+                if got != e.checksums[i]:
                     raise CorruptCheckpointError(
-                        f"{_where(manifest, e, path)} has crc32 {crc} in bytes [{start}, {end}), the manifest says "
-                        f"{e.crc32[i]}: corrupted"
+                        f"{_where(manifest, e, path)} has {manifest.checksum} {got} in bytes [{start}, {end}), the manifest says "
+                        f"{e.checksums[i]}: corrupted"
                     )
 
 
@@ -240,7 +240,7 @@ def _where(manifest: Manifest, e: FileEntry, path: str) -> str:
 
 
 def needed_blocks(manifest: Manifest, transfers: Sequence) -> dict[FileEntry, set[int]]:
-    """The crc blocks of each file that the staged ``transfers`` read (see ``store.crc``)."""
+    """The checksum blocks of each file that the staged ``transfers`` read (see ``store.checksum``)."""
     by_box = {(f.tensor, f.offsets): f for f in manifest.files}
     out: dict[FileEntry, set[int]] = {}
     for t in transfers:
@@ -251,7 +251,7 @@ def needed_blocks(manifest: Manifest, transfers: Sequence) -> dict[FileEntry, se
                 f"checkpoint step {manifest.step}: the manifest lists no file for tensor {key[0]!r} box at {list(key[1])}"
             )
         start, end = region_span(entry.lengths, DTYPES[entry.dtype].itemsize, t.item.storage_offsets, t.item.lengths)
-        out.setdefault(entry, set()).update(blocks_of(start, end, manifest.crc_block))
+        out.setdefault(entry, set()).update(blocks_of(start, end, manifest.checksum_block))
     return out
 
 
@@ -265,7 +265,7 @@ def build_manifest(step: int, data_dir: str, emus: Sequence[EMU], layouts: Mappi
             offsets = tuple(r.index.offset)
             lengths = next(l for o, l in layout.unique_boxes() if tuple(o) == offsets)
             files.append(FileEntry(tensor=layout.name, offsets=offsets, lengths=tuple(lengths), dtype=layout.dtype,
-                                   path=info.path, nbytes=r.size_in_bytes, crc32=tuple(info.crc32)))
+                                   path=info.path, nbytes=r.size_in_bytes, checksums=tuple(info.checksums)))
     files.sort(key=lambda f: (f.tensor, f.offsets))
     return Manifest(step=step, data=data_dir, files=tuple(files), emus=tuple(emus), created=time.time(),
                     plan=plan, state=dict(state or {}), rng=tuple(rng))

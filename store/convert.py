@@ -11,7 +11,7 @@ dtype): about twice the largest tensor, whatever the model size.
   with its manifest last. ``config.json`` travels in the manifest (``state.hf_configs``).
 - Nereus -> Nereus: each tensor is read whole from the source through the staged reader
   (``plan_transfers(saved EMUs -> one rank holding whole tensors, staged=True)`` +
-  ``load_staged``), its files checked first (size, block crc32s: one read of the page
+  ``load_staged``), its files checked first (size, block checksums: one read of the page
   cache); optimizer state (in its saved dtype), job state and RNG states are carried over.
 - Nereus / HF -> HF (``--to hf``): tensors in ``plan_parameters`` order, streamed into
   ``model.safetensors`` or shards + index, in a temporary directory renamed at the end.
@@ -45,7 +45,7 @@ from .checkpoint import CheckpointStore, build_manifest, checkpoint_layouts, nor
 from .dcp_io import BoxSavePlanner, BoxWriter, Scratch, all_boxes, dcp_save, unwrap
 from .errors import CheckpointExistsError, ModelMismatchError, StoreError
 from .hf import HFCheckpoint, HFWriter, check_against_spec, hf_config_from_spec, is_hf_dir, spec_from_hf_config
-from .crc import block_crc32
+from .checksum import block_checksums
 from .records import Manifest
 from .safetensors_io import map_file
 
@@ -186,10 +186,10 @@ class NereusSource:
 
     def read(self, name: str, scratch: Scratch | None = None) -> torch.Tensor:
         """The whole tensor, loaded through the staged reader into ``scratch`` (or a new
-        tensor) after every file it comes from was checked: present, whole, block crc32s
+        tensor) after every file it comes from was checked: present, whole, block checksums
         as committed."""
         key = f"{self.model}/{name}"
-        self.store.verify(self.manifest, {e: range(len(e.crc32)) for e in self._entries(name)})
+        self.store.verify(self.manifest, {e: range(len(e.checksums)) for e in self._entries(name)})
         layout = self.plan.layouts[key]
         shape, dtype = torch.Size(layout.shape), DTYPES[layout.dtype]
         target = torch.empty(shape, dtype=dtype) if scratch is None else scratch.take(shape, dtype)
@@ -202,7 +202,7 @@ class NereusSource:
         is their concatenation — after checking the files; None otherwise.
 
         A shortcut for streaming out whole tensors: each box file (located by the staged
-        reader) is memory-mapped once (``map_file``), its crc32s computed on that map and
+        reader) is memory-mapped once (``map_file``), its checksums computed on that map and
         the writer writes from it, so bytes go from the page cache to the output with no
         copy and one mapping; other tensors are loaded by :meth:`read`.
         """
@@ -222,9 +222,9 @@ class NereusSource:
         for e in entries:
             path = self._reader.boxes[MetadataIndex(key, torch.Size(e.offsets))].path
             raw = map_file(path, 0, e.nbytes)
-            crc = block_crc32(raw.numpy(), self.manifest.crc_block)
-            if crc != e.crc32:
-                self.store.verify(self.manifest, {e: range(len(e.crc32))})  # names the bad block
+            sums = block_checksums(raw.numpy(), self.manifest.checksum_block)
+            if sums != e.checksums:
+                self.store.verify(self.manifest, {e: range(len(e.checksums))})  # names the bad block
             pieces.append(raw.view(DTYPES[e.dtype]))
         return pieces
 

@@ -15,7 +15,7 @@ The save goes through ``dcp.save`` with two narrow pieces, as DCP intends:
   ranks' ``planner_data`` (their RNG states) into the metadata.
 - :class:`BoxWriter` (a ``StorageWriter``): ``write_data`` writes each item's bytes to its
   box file (local files: temporary name, fsync, rename; object stores: one put, which is
-  atomic) and returns its size and crc32; ``finish`` (coordinator only, after every rank
+  atomic) and returns its size and block checksums; ``finish`` (coordinator only, after every rank
   wrote) writes ``metadata.json`` and calls ``commit(metadata, results)`` — the checkpoint
   store commits the manifest there, so DCP's own exception fan-out tells every rank
   whether the commit happened.
@@ -56,7 +56,7 @@ from torch.futures import Future as TorchFuture
 from nereus.reshard.layout import DTYPES, Dims, TensorLayout
 from nereus.reshard.staged import METADATA, box_file, staged_metadata
 
-from .crc import CRC_BLOCK, block_crc32
+from .checksum import BLOCK, block_checksums
 from .errors import StoreError
 
 Box = tuple[str, Dims, Dims]
@@ -147,10 +147,10 @@ class BoxSavePlanner(SavePlanner):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BoxWritten:
-    """``WriteResult.storage_data``: the box file (relative to the data dir) and its block crc32s."""
+    """``WriteResult.storage_data``: the box file (relative to the data dir) and its block checksums."""
 
     path: str
-    crc32: tuple[str, ...]
+    checksums: tuple[str, ...]
 
 
 class Scratch:
@@ -249,7 +249,7 @@ class BoxWriter(StorageWriter):
         *,
         sync: bool = True,
         progress: Callable[[int], None] | None = None,
-        crc_block: int = CRC_BLOCK,
+        checksum_block: int = BLOCK,
     ) -> None:
         super().__init__()
         self.root_url = root_url.rstrip("/")
@@ -261,7 +261,7 @@ class BoxWriter(StorageWriter):
         self.progress = progress
         self.data_dir: str | None = None
         self.scratch = Scratch()
-        self.crc_block = crc_block
+        self.checksum_block = checksum_block
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -284,7 +284,7 @@ class BoxWriter(StorageWriter):
         return fsspec.core.url_to_fs(f"{self.root_url}/{data_dir}")[1]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        """Write every item's box file. Per item, the crc32 runs on a helper thread while
+        """Write every item's box file. Per item, the checksums run on a helper thread while
         this thread writes the same bytes (both release the GIL); fsync + rename of local
         files run on the helpers too and are all awaited before returning."""
         self.data_dir = plan.storage_data
@@ -295,11 +295,11 @@ class BoxWriter(StorageWriter):
             for item in plan.items:
                 data = host_bytes(planner.resolve_data(item), self.scratch)
                 rel = box_file(item.index.fqn, tuple(item.index.offset))
-                crc = pool.submit(block_crc32, data, self.crc_block)
+                sums = pool.submit(block_checksums, data, self.checksum_block)
                 flush = write_file(self.fs, f"{root}/{rel}", data, sync=self.sync, pool=pool)
                 if flush is not None:
                     flushes.append(flush)
-                written = BoxWritten(path=rel, crc32=crc.result())
+                written = BoxWritten(path=rel, checksums=sums.result())
                 results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes, storage_data=written))
                 if self.progress is not None:
                     self.progress(data.nbytes)

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 from nereus.reshard.layout import EMU, emu_from_dict, emu_to_dict, itemsize
 
-from .crc import CRC_BLOCK
+from .checksum import BLOCK, CHECKSUM
 from .errors import SchemaError
 
 SCHEMA_VERSION = 1
@@ -54,8 +54,9 @@ def check_schema(key: str, record: Mapping, kind: str) -> None:
 class FileEntry:
     """One data file: a distinct box of one tensor, raw row-major bytes.
 
-    ``path`` is relative to the checkpoint's data directory; ``crc32`` holds the crc32 of
-    each ``Manifest.crc_block``-byte block of the file, as 8 hex digits (``store.crc``).
+    ``path`` is relative to the checkpoint's data directory; ``checksums`` holds the
+    checksum (``Manifest.checksum``, 16 hex digits) of each ``Manifest.checksum_block``-byte
+    block of the file (``store.checksum``).
     """
 
     tensor: str
@@ -64,7 +65,7 @@ class FileEntry:
     dtype: str
     path: str
     nbytes: int
-    crc32: tuple[str, ...]
+    checksums: tuple[str, ...]
 
     def __post_init__(self) -> None:
         expected = math.prod(self.lengths) * itemsize(self.dtype)
@@ -92,7 +93,8 @@ class Manifest:
     plan: dict | None = None
     state: dict = field(default_factory=dict)
     rng: tuple[dict, ...] = ()
-    crc_block: int = CRC_BLOCK
+    checksum: str = CHECKSUM
+    checksum_block: int = BLOCK
 
     @property
     def nbytes(self) -> int:
@@ -115,12 +117,19 @@ def manifest_to_dict(m: Manifest) -> dict:
         "plan": m.plan,
         "state": m.state,
         "rng": list(m.rng),
-        "crc_block": m.crc_block,
+        "checksum": m.checksum,
+        "checksum_block": m.checksum_block,
         "emus": [emu_to_dict(e) for e in m.emus],
         "files": [
-            [f.tensor, list(f.offsets), list(f.lengths), f.dtype, f.path, f.nbytes, list(f.crc32)] for f in m.files
+            [f.tensor, list(f.offsets), list(f.lengths), f.dtype, f.path, f.nbytes, list(f.checksums)] for f in m.files
         ],
     }
+
+
+def _known_checksum(key: str, name: str) -> str:
+    if name != CHECKSUM:
+        raise SchemaError(f"checkpoint manifest {key!r} uses checksum {name!r}; this nereus reads {CHECKSUM!r}")
+    return name
 
 
 def manifest_from_dict(key: str, d: Mapping) -> Manifest:
@@ -134,10 +143,11 @@ def manifest_from_dict(key: str, d: Mapping) -> Manifest:
             plan=d.get("plan"),
             state=dict(d.get("state") or {}),
             rng=tuple(d.get("rng") or ()),
-            crc_block=int(d["crc_block"]),
+            checksum=_known_checksum(key, d["checksum"]),
+            checksum_block=int(d["checksum_block"]),
             emus=tuple(emu_from_dict(e) for e in d["emus"]),
             files=tuple(
-                FileEntry(tensor=t, offsets=tuple(o), lengths=tuple(n), dtype=dt, path=p, nbytes=b, crc32=tuple(c))
+                FileEntry(tensor=t, offsets=tuple(o), lengths=tuple(n), dtype=dt, path=p, nbytes=b, checksums=tuple(c))
                 for t, o, n, dt, p, b, c in d["files"]
             ),
         )

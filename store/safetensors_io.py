@@ -69,7 +69,7 @@ def map_file(path: str, offset: int = 0, nbytes: int | None = None) -> torch.Ten
     """Bytes ``[offset, offset + nbytes)`` of a local file as a uint8 tensor over a read-only
     shared memory map, populated up front (``MAP_POPULATE``).
 
-    Why populated: a ``write`` or crc32 over a fresh map takes a page fault per 4 KiB page
+    Why populated: a ``write`` or checksum over a fresh map takes a page fault per 4 KiB page
     and runs at ~1.6 GB/s here; populating maps the (page-cached) pages in one batch and
     the same write runs at ~3.5 GB/s. The pages are the page cache's: no copy is made, and
     they leave the process when the tensor (which holds the map) is dropped.

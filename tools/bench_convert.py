@@ -9,17 +9,19 @@ phase's peak RSS is its own and no phase inherits another's memory):
 
 - copy: ``safetensors.torch.load_file`` + ``save_file`` of the same file (the reference);
 - to_nereus: ``convert(hf, n, to="tp=2,pp=2")`` — every box of the tp=2,pp=2 layout
-  written through the DCP writer with its block crc32s, then the manifest commit;
+  written through the DCP writer with its block checksums, then the manifest commit;
 - to_hf: ``convert(n, hf2, to="hf")`` — every box read through the staged reader and
-  checked against its crc32s, streamed into ``model.safetensors``, renamed into place.
+  checked against its checksums, streamed into ``model.safetensors``, renamed into place.
 
 Each set runs twice: without fsync (the plain copy's durability: the page cache; the
 headline ``convert_over_copy``), and with fsync on both sides (the copy then fsyncs its
 file; conversions fsync every file before the commit, as ``nereus convert`` does by
 default: ``convert_over_copy_fsync``). Seconds are measured inside each process around
 the call alone (no interpreter start), after ``sync`` so no phase flushes another's
-writes; each phase runs ``--repeat`` times (interleaved with the others) and the median
-counts. Throughput = model bytes / seconds (each leg, like the copy, reads and writes the
+writes; each phase runs ``--repeat`` times (interleaved with the others, the copy first,
+in the middle and last in turn) and the median counts. Before any timing, 4x the model's size of memory is touched once in a throwaway
+process: on a VM, writing into guest memory never touched before is several times slower
+than into memory used before, which would otherwise favour whichever phase runs second. Throughput = model bytes / seconds (each leg, like the copy, reads and writes the
 model's bytes once); ``convert_over_copy`` = (2 x bytes / (to_nereus + to_hf seconds)) /
 (bytes / copy seconds), the conversions' mean throughput over the copy's. The output is
 checked bit for bit against the input. Bars: convert_over_copy >= 0.5; every
@@ -64,6 +66,12 @@ def model_config(size_gib: float) -> dict:
     }
 
 
+def _cpu() -> float:
+    """CPU seconds of this process so far, all threads, user + system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
@@ -78,7 +86,7 @@ def _phase(name: str, args: tuple, queue) -> None:
     from nereus.store.convert import convert
 
     rss_before = _peak_rss()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu()
     if name == "generate":
         out, config = args
         from nereus.reshard.derive import plan_parameters
@@ -101,6 +109,10 @@ def _phase(name: str, args: tuple, queue) -> None:
     elif name == "convert":
         src, dst, to, sync = args
         convert(src, dst, to=to, sync=sync)
+    elif name == "warm":
+        (nbytes,) = args  # see ``main``: back guest memory before anything is timed
+        block = torch.ones(nbytes, dtype=torch.uint8)
+        del block
     elif name == "check":
         a, b = args
         from nereus.store.hf import HFCheckpoint
@@ -110,7 +122,7 @@ def _phase(name: str, args: tuple, queue) -> None:
         for n in x.tensors:
             if not torch.equal(x.read(n).view(torch.int16), y.read(n).view(torch.int16)):
                 raise AssertionError(f"tensor {n} differs after the round trip")
-    queue.put((time.perf_counter() - t0, rss_before, _peak_rss()))
+    queue.put((time.perf_counter() - t0, rss_before, _peak_rss(), _cpu() - cpu0))
 
 
 def run_phase(name: str, *args) -> tuple[float, int, int]:
@@ -131,6 +143,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_results/convert.json")
     parser.add_argument("--keep", action="store_true", help="Keep the working directory.")
     parser.add_argument("--repeat", type=int, default=3, help="Runs per phase; the median is reported.")
+    parser.add_argument("--verbose", action="store_true", help="Print every run's seconds.")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="nereus-bench-convert-", dir=args.dir))
@@ -139,6 +152,11 @@ def main() -> None:
     try:
         hf = str(work / "hf")
         run_phase("generate", hf, config)
+        # On a VM, the first write into never-touched guest memory (page cache included) runs
+        # ~4x slower than into memory used before. Touch 4x the model once, so every phase
+        # below writes into memory the VM already backs, the copy as much as the conversions.
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        run_phase("warm", int(min(4 * os.path.getsize(os.path.join(hf, "model.safetensors")), avail * 0.6)))
         src_file = os.path.join(hf, "model.safetensors")
         model_bytes = os.path.getsize(src_file)
         from nereus.reshard.derive import plan_parameters
@@ -148,21 +166,27 @@ def main() -> None:
         for sync in (False, True):
             tag = "sync" if sync else "nosync"
             runs: dict[str, list] = {"copy": [], "to_nereus": [], "to_hf": []}
-            for _ in range(args.repeat):  # interleaved, so each phase sees the same conditions
+            phases = {
+                "copy": ("copy", src_file, str(work / "copy.safetensors"), sync),
+                "to_nereus": ("convert", hf, str(work / "nereus"), "tp=2,pp=2", sync),
+                "to_hf": ("convert", str(work / "nereus"), str(work / "hf2"), "hf", sync),
+            }
+            for rep in range(args.repeat):  # interleaved; the copy's place rotates (first, middle, last)
                 for path in ("copy.safetensors", "nereus", "hf2"):
                     p = work / path
                     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-                os.sync()
-                runs["copy"].append(run_phase("copy", src_file, str(work / "copy.safetensors"), sync))
-                os.sync()
-                runs["to_nereus"].append(run_phase("convert", hf, str(work / "nereus"), "tp=2,pp=2", sync))
-                os.sync()
-                runs["to_hf"].append(run_phase("convert", str(work / "nereus"), str(work / "hf2"), "hf", sync))
+                order = ["to_nereus", "to_hf"]
+                order.insert(rep % 3, "copy")
+                for name in order:
+                    os.sync()
+                    runs[name].append(run_phase(*phases[name]))
                 os.sync()
             run_phase("check", hf, str(work / "hf2"))
+            if args.verbose:
+                print("  seconds (CPU seconds) per run:", {k: [f"{v[0]:.2f} ({v[3]:.2f})" for v in vs] for k, vs in runs.items()}, flush=True)
             for name, values in runs.items():  # median seconds; peak RSS over all runs
                 results[name, sync] = (statistics.median(v[0] for v in values), min(v[1] for v in values),
-                                       max(v[2] for v in values))
+                                       max(v[2] for v in values), statistics.median(v[3] for v in values))
             print(f"  ({tag} round done: {args.repeat} runs per phase)", flush=True)
     finally:
         if not args.keep:
@@ -175,11 +199,11 @@ def main() -> None:
     convert_over_copy, durable = ratio(False), ratio(True)
     peak = max(results[leg, sync][2] for leg in ("to_nereus", "to_hf") for sync in (False, True))
     bar_rss = 2 * largest + 512 * MIB
-    rows = [("phase", "fsync", "seconds", "GB/s", "peak RSS MiB", "RSS after imports MiB")]
+    rows = [("phase", "fsync", "seconds", "GB/s", "CPU s", "peak RSS MiB", "RSS after imports MiB")]
     for sync in (False, True):
         for name in ("copy", "to_nereus", "to_hf"):
-            sec, before, after = results[name, sync]
-            rows.append((name, "yes" if sync else "no", f"{sec:.2f}", f"{model_bytes / sec / 1e9:.2f}",
+            sec, before, after, cpu = results[name, sync]
+            rows.append((name, "yes" if sync else "no", f"{sec:.2f}", f"{model_bytes / sec / 1e9:.2f}", f"{cpu:.2f}",
                          f"{after / MIB:.0f}", f"{before / MIB:.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"model: {config['num_hidden_layers']} layers, {model_bytes / 2**30:.2f} GiB bf16, "
@@ -200,6 +224,7 @@ def main() -> None:
         **{f"{name}_{'fsync' if sync else 'nosync'}_s": round(results[name, sync][0], 3)
            for name in ("copy", "to_nereus", "to_hf") for sync in (False, True)},
         "copy_peak_rss_bytes": results["copy", False][2],
+        **{f"{name}_nosync_cpu_s": round(results[name, False][3], 3) for name in ("copy", "to_nereus", "to_hf")},
     }
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -245,13 +245,13 @@ def _one_tensor_emu(shards, ranks):
 
 
 def test_a_rank_verifies_and_reads_only_the_blocks_it_needs(tmp_path):
-    """An 8 MiB box has two 4 MiB crc blocks; damage in the second half stops only the rank that reads it."""
+    """An 8 MiB box has two 4 MiB checksum blocks; damage in the second half stops only the rank that reads it."""
     root = str(tmp_path / "ck")
     src = _one_tensor_emu([(0, (0, 0), (2048, 1024))], [0])
     save_checkpoint(root, 1, src, {"m": reference_state(layouts_of(src), 0)}, rank=0)
     manifest = CheckpointStore(root).manifest()
     (entry,) = manifest.files
-    assert len(entry.crc32) == 2
+    assert len(entry.checksums) == 2
     path = os.path.join(root, manifest.data, entry.path)
     with open(path, "r+b") as f:
         f.seek(6 << 20)

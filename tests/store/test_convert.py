@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from nereus.cli.app import app

@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from nereus.reshard.derive import DecoderSpec, derive_emus
 from nereus.reshard.layout import ParallelConfig
-from nereus.store.crc import block_crc32, blocks_of, region_span
+from nereus.store.checksum import block_checksums, blocks_of, region_span, wsum64, wsum64_reference
 from nereus.store.errors import SchemaError
 from nereus.store.records import FileEntry, Manifest, manifest_from_dict, manifest_to_dict
 
 
-def test_block_crc32_cuts_into_blocks():
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, 4096, 4097, 3 * 4096 + 13])
+def test_wsum64_matches_its_plain_definition_and_sees_every_change(n):
+    data = bytes((i * 131 + 7) % 256 for i in range(n))
+    assert wsum64(data) == wsum64_reference(data)
+    if n:
+        for at in {0, n // 2, n - 1}:
+            changed = bytearray(data)
+            changed[at] ^= 0x01
+            assert wsum64(bytes(changed)) != wsum64(data)
+    if n >= 16:  # two words swapped
+        swapped = data[8:16] + data[:8] + data[16:]
+        assert swapped == data or wsum64(swapped) != wsum64(data)
+    assert wsum64(data + b"\0") != wsum64(data)  # length counts, not only content
+
+
+def test_block_checksums_cut_into_blocks():
     data = bytes(range(256)) * 40  # 10240 bytes
-    assert block_crc32(data, 4096) == tuple(f"{zlib.crc32(data[i:i + 4096]):08x}" for i in (0, 4096, 8192))
-    assert block_crc32(b"", 4096) == (f"{zlib.crc32(b''):08x}",)
+    assert block_checksums(data, 4096) == tuple(f"{wsum64(data[i:i + 4096]):016x}" for i in (0, 4096, 8192))
+    assert block_checksums(b"", 4096) == (f"{wsum64(b''):016x}",)
 
 
 def test_region_span_matches_the_bytes_a_region_touches():
@@ -37,7 +50,7 @@ def test_region_span_matches_the_bytes_a_region_touches():
 def _manifest() -> Manifest:
     spec = DecoderSpec(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1)
     emus = derive_emus(spec, ParallelConfig.on(tp=2), model="actor", stage="train")
-    files = (FileEntry(tensor="actor/x", offsets=(0, 4), lengths=(2, 4), dtype="bfloat16", path="x@0_4.bin", nbytes=16, crc32=("0badf00d",)),)
+    files = (FileEntry(tensor="actor/x", offsets=(0, 4), lengths=(2, 4), dtype="bfloat16", path="x@0_4.bin", nbytes=16, checksums=("00000000deadbeef",)),)
     return Manifest(step=3, data="data/000000000003-ab", files=files, emus=tuple(emus), created=1.5,
                     plan={"index": 2}, state={"data_position": 9}, rng=({"cpu": "AAA="},))
 
@@ -52,6 +65,7 @@ def test_manifest_json_round_trip():
     ({"schema": 2}, "schema version 2"),
     ({"kind": "job"}, "is a 'job' record"),
     ({"files": [["actor/x", [0], [3], "float32", "p", 5, []]]}, "5 bytes, box needs 12"),
+    ({"checksum": "md5"}, "uses checksum 'md5'"),
 ])
 def test_bad_manifests_are_refused_with_the_key(change, match):
     record = {**manifest_to_dict(_manifest()), **change}
