@@ -12,23 +12,29 @@ per-position partial credit:
 where y is cut after its first ``<eos>`` (later tokens are never seen). So reward ∈ [0, 1],
 1 exactly for the target, and every right token earns 1/n: a dense signal.
 
-Tasks (measured with a throwaway 2-layer, 64-wide causal transformer with learned
-positions, 8 prompts × 4 samples per step, Adam lr 1e-3, 2 epochs of 2 mini-batches):
+Tasks (``configs/tiny_*.yaml`` run ``repeat`` with ``response_len: 3``; results below are
+``nereus train`` on 4 CPU processes with this project's decoder unless stated):
 
 - ``repeat`` (default): ``<bos>`` + ``digits`` random digits + ``=``; the answer is the
   *first* prompt digit repeated ``response_len`` times, then ``<eos>``:
   ``<bos>572=`` → ``555555<eos>``. Every position wants the same token, so a response's
   reward (how many positions hold it) pushes every token the same way; a model can
   attend back to position 1 for the first token, copy the previous token afterwards and
-  count to the ``<eos>``. GRPO reached 1.0 by step 75 (seed 0) and 0.9–1.0 by step
-  100–150 on two other seeds; PPO 0.86 at step 125 and 1.0 at 150. (For comparison,
-  TRL's GRPO on "repeat the last prompt digit" stayed near 0.1 here: BASELINES.md.)
+  count to the ``<eos>``. With ``response_len=3`` (``555<eos>``, chance ≈ 0.057), 64
+  prompts × 4 samples, init std 0.05, lr 2e-3: GRPO's last-10-step mean reward reached
+  0.90 / 0.97 and PPO's 0.98 / 0.98 (seeds 0 / 1) within 40 steps. On one process:
+  with ``response_len=6`` the digits are learned as fast but the ``<eos>`` lags (the
+  decoder has RoPE, no absolute positions, so it must learn to count): 6/7 ≈ 0.85 for
+  tens of steps; with the model's default init std 0.02 and 8 × 4 samples per step,
+  GRPO was still near 0.2 after 100 steps, sampling runs of prompt-independent digits.
+  (TRL's GRPO on "repeat the last prompt digit" stayed near 0.1: BASELINES.md.)
 - ``count`` (harder): ``<bos>`` + an ascending run of ``digits`` digits mod 10 starting at
   a uniform s; the answer continues the run for ``response_len`` digits (mod 10), then
   ``<eos>``: ``<bos>789`` → ``012345<eos>``. The optimal policy is a bigram
   (d → d + 1 mod 10), but every position wants a different token, so credit is
-  diluted: the same runs plateaued at ≈0.6 after 300 steps (policies collapse
-  onto memorised answers for the 10 possible prompts). Use it to stress an algorithm.
+  diluted: a throwaway 2-layer transformer (learned positions, 8 prompts × 4 samples,
+  lr 1e-3) plateaued at ≈0.6 after 300 steps (policies collapse onto memorised answers
+  for the 10 possible prompts). Use it to stress an algorithm.
 
 Chance level. A uniform random policy draws every token i.i.d. from the V = 16 tokens and
 stops at its first ``<eos>`` or after M = max_new_tokens. It gets position i right iff no
@@ -36,7 +42,8 @@ stops at its first ``<eos>`` or after M = max_new_tokens. It gets position i rig
 
     E[reward | prompt] = (1/n) Σ_{i < min(n, M)} q^i / V
 
-(≈ 0.052 for both tasks with response_len=6 and max_new_tokens ≥ 7).
+(≈ 0.052 for both tasks with response_len=6 and max_new_tokens ≥ 7; ≈ 0.057 with
+response_len=3 and max_new_tokens ≥ 4).
 ``chance_reward`` averages this exact per-prompt value over a fixed seeded set of prompts.
 """
 
