@@ -214,12 +214,18 @@ def derive_emus(
     for replica in replicas:
         dps = range(config.dp) if replica is None else [replica]
         tensors: list[TensorLayout] = []
+        interned: dict[tuple, tuple[Shard, ...]] = {}  # one tuple per distinct placement
         for name, shape, kind, layer in params:
+            piece = _fused_piece(spec, name, config.tp) if fused else None
+            stages = stages_of(name, layer)
+            key = (tuple(stages), shape, kind, piece)
+            if key in interned:
+                tensors.append(TensorLayout.trusted(name=name, shape=shape, dtype=spec.dtype, shards=interned[key]))
+                continue
             shards = []
-            for p in stages_of(name, layer):
+            for p in stages:
                 for t in range(config.tp):
                     offsets, lengths = _tp_box(spec, shape, kind, config.tp, t)
-                    piece = _fused_piece(spec, name, config.tp) if fused else None
                     buffer, row = piece or ("", 0)
                     for d in dps:
                         rank = config.rank(dp=d, pp=p, tp=t)
@@ -230,7 +236,8 @@ def derive_emus(
                             shards.append(Shard(rank=rank, offsets=(part[0], *offsets[1:]), lengths=(part[1], *lengths[1:])))
                         else:
                             shards.append(Shard(rank=rank, offsets=offsets, lengths=lengths, buffer=buffer, row=row))
-            tensors.append(TensorLayout.trusted(name=name, shape=shape, dtype=spec.dtype, shards=tuple(shards)))
+            interned[key] = tuple(shards)
+            tensors.append(TensorLayout.trusted(name=name, shape=shape, dtype=spec.dtype, shards=interned[key]))
         if optimizer:
             tensors += _optimizer_layouts(tensors)
         ranks = config.ranks if replica is None else config.replica_ranks(replica)
@@ -245,7 +252,11 @@ def derive_emus(
 def _optimizer_layouts(params: list[TensorLayout]) -> list[TensorLayout]:
     """AdamW state beside each parameter: moments laid out like it, a 0-d step per holder."""
     out = []
-    plain = {p.name: tuple(s if not s.buffer else Shard(rank=s.rank, offsets=s.offsets, lengths=s.lengths) for s in p.shards) for p in params}
+    unfused: dict[int, tuple[Shard, ...]] = {}  # by id of the (interned) parameter shards
+    for p in params:
+        if id(p.shards) not in unfused:
+            unfused[id(p.shards)] = tuple(s if not s.buffer else Shard(rank=s.rank, offsets=s.offsets, lengths=s.lengths) for s in p.shards)
+    plain = {p.name: unfused[id(p.shards)] for p in params}
     for state in OPTIM_STATES:
         for p in params:
             out.append(TensorLayout.trusted(name=f"optim/{state}/{p.name}", shape=p.shape, dtype=p.dtype, shards=plain[p.name]))
