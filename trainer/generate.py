@@ -77,7 +77,7 @@ def sample(
     """One token per row of logits [B, V] and its log-prob, as the module docstring states.
 
     Sampling uses the exponential-race form of the categorical draw: argmax(p / E) with
-    E ~ Exp(1) i.i.d. picks index i with probability p_i. It draws B * V numbers every step
+    E = -log U ~ Exp(1) i.i.d. (U uniform) picks index i with probability p_i. It draws B * V numbers every step
     whatever the logits, so two runs from one seed (with and without the cache) stay in step.
     """
     logits = logits.float()
@@ -91,7 +91,7 @@ def sample(
             sorted_p, order = probs.sort(-1, descending=True)
             outside = sorted_p.cumsum(-1) - sorted_p > top_p  # the most likely token is always kept
             probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
-        race = torch.empty_like(probs).exponential_(generator=generator)
+        race = torch.rand(probs.shape, generator=generator, device=probs.device).log_().neg_()  # Exp(1)
         tokens = (probs / race).argmax(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 

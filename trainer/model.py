@@ -14,7 +14,8 @@ Maths, per block (x: [B, T, h], d = head_dim, H query heads, K kv heads, r = H /
 - RoPE in HF's ``rotate_half`` convention: dimension i is paired with i + d/2 (not with its
   neighbour), rotated by angle ``pos * theta^(-2i/d)``; positions count real tokens only, so
   a left-padded row starts at position 0 at its first real token.
-- GQA: query head j reads kv head ``j // r`` (KV heads repeated, HF's ``repeat_kv``).
+- GQA: query head j reads kv head ``j // r`` (HF's ``repeat_kv``; here SDPA's ``enable_gqa``,
+  which reads the shared heads without copying them).
 - Attention is causal, scale 1/sqrt(d), through ``scaled_dot_product_attention``. Padded keys
   are masked; every query may always see its own slot, so a pad query's row is never empty
   (no NaN that a later layer could multiply by a zero weight).
@@ -225,14 +226,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, K, S, d] -> [B, K * n_rep, S, d], kv head k repeated for query heads k*n_rep.."""
-    if n_rep == 1:
-        return x
-    b, k, s, d = x.shape
-    return x[:, :, None].expand(b, k, n_rep, s, d).reshape(b, k * n_rep, s, d)
-
-
 def attention_mask_4d(key_mask: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
     """Bool [B, 1, T, S]: query slot ``start + t`` sees key slot ``s`` iff ``s <= start + t`` and
     ``key_mask[b, s]`` (a real token), or ``s == start + t`` (its own slot, never an empty row)."""
@@ -249,8 +242,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused op, float32 as HF's
         return self.weight * h.to(x.dtype)
 
 
@@ -281,9 +273,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
