@@ -19,7 +19,8 @@ receives, staged reads included) per round; local copies don't count. The schedu
 greedy and deterministic. Transfers go in a fixed priority order: by shift
 ``(dst - src) mod world`` first, as the steps of a ring all-to-all, so the messages each
 rank wants first go to different partners and rounds fill up (on Llama-70B, 1,024 ranks,
-28 rounds against a lower bound of 27, where source-buffer order needs 54); then by source
+with 16 messages a round: 28 rounds against a lower bound of 27, where source-buffer order
+needs 54; with the default 64: 7, the lower bound); then by source
 buffer, so a sender drains one buffer before the next; then plan order. In each round a
 transfer is taken when every rank it touches still has a message slot and its bytes fit
 under the rank's budget; with a budget, transfers that cannot fit wait for frees. See
@@ -253,7 +254,7 @@ def plan_graph(
     *,
     budget: int | Mapping[int, int] | None = None,
     release_sources: bool = False,
-    max_messages: int = 16,
+    max_messages: int = 64,
     cost: LinkCost = LinkCost(),
 ) -> TransitionGraph:
     """Schedule ``arrays`` into rounds within every rank's memory budget (module docstring).
