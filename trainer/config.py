@@ -82,6 +82,9 @@ class RolloutConfig:
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    ignore_eos: bool = False  # keep sampling past <eos> (vLLM's SamplingParams.ignore_eos): fixed-length rollouts
+    engine: Literal["builtin", "vllm"] = "builtin"  # vllm: trainer/vllm_engine.py, needs plan.actor.gen.fused
+    gpu_memory_utilization: float = 0.5  # vllm only: its share of each GPU (weights + KV cache), as vLLM's LLM(...)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -379,6 +382,7 @@ def validate(cfg: JobConfig) -> None:
     _check_plan_stages(cfg)
     for stage, sc in cfg.plan.stages().items():
         _check_stage(cfg, stage, sc)
+    _check_rollout_engine(cfg)
     from .memory import check_memory  # the memory model reads the validated plan
 
     check_memory(cfg)
@@ -395,6 +399,7 @@ def _check_values(cfg: JobConfig) -> None:
         ("rollout.max_new_tokens", r.max_new_tokens >= 1, ">= 1"),
         ("rollout.temperature", r.temperature > 0, "> 0"),
         ("rollout.top_p", 0 < r.top_p <= 1, "in (0, 1]"),
+        ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "in (0, 1]"),
         ("ppo.lr", ppo.lr > 0, "> 0"),
         ("ppo.critic_lr", ppo.critic_lr > 0, "> 0"),
         ("ppo.clip", ppo.clip > 0, "> 0"),
@@ -509,3 +514,23 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig) -> None:
         raise ConfigError(f"{name}: dp={sc.dp} does not divide {cfg.algorithm}.minibatch_size={algo.minibatch_size}")
     if stage == "actor.gen" and cfg.batch_size % sc.dp:
         raise ConfigError(f"{name}: dp={sc.dp} does not divide the rollout batch of {cfg.batch_size} responses")
+
+
+def _check_rollout_engine(cfg: JobConfig) -> None:
+    """``actor.gen`` fits the rollout engine: the built-in generator runs unfused pp=1 plans;
+    vLLM runs fused ones (its live parameters are the fused buffers) over the whole world."""
+    gen, name = cfg.plan.actor.gen, "plan 'actor.gen'"
+    if cfg.rollout.engine == "builtin":
+        if gen.fused:
+            raise ConfigError(f"{name}: fused (vLLM) buffers need rollout.engine: vllm, not the built-in generator")
+        if gen.pp > 1:
+            raise ConfigError(f"{name}: the built-in generator runs pp=1 only, got pp={gen.pp}")
+        return
+    if not gen.fused:
+        raise ConfigError(f"rollout.engine: vllm writes into vLLM's fused q/k/v and gate/up buffers: set {name} fused: true")
+    from .vllm_engine import check_vllm_plan  # pure layout rules; vllm itself is imported by the engine
+
+    try:
+        check_vllm_plan(decoder_spec(cfg.model), gen.parallel_config(cfg.nproc), cfg.nproc)
+    except LayoutError as e:
+        raise ConfigError(f"{name} with rollout.engine: vllm: {e}") from None

@@ -4,11 +4,18 @@ in its own layout, weights moving between layouts through reshard.
 One step (all ranks, SPMD):
 
 1. weight sync: ``actor.train`` → ``actor.gen`` through reshard's stream executor (the plan
-   and transition graph are computed once; every step streams into the live parameters);
+   and transition graph are computed once; every step streams into the live parameters,
+   vLLM's own with ``rollout.engine: vllm``);
 2. generation: each ``actor.gen`` replica samples responses for its share of the prompts
-   (the step's prompts and the replica's sampling seed are the same on all its TP ranks);
+   (the step's prompts and the replica's sampling seed are the same on all its TP ranks),
+   with the built-in generator or the vLLM engine (``trainer/vllm_engine.py``);
 3. inference: rewards from the task; old log-probs (``actor.train``), reference log-probs
-   (``ref.infer``) and values (``critic.infer``, synced from ``critic.train``);
+   (``ref.infer``) and values (``critic.infer``, synced from ``critic.train``). When the
+   step makes exactly one update (one epoch of one mini-batch) and nothing before training
+   reads the old log-probs (GRPO, or PPO with the KL as a loss term), π_old = π_θ at that
+   update: the actor's forward is skipped and the loss uses its own log-probs, detached
+   (ratio exp(l − sg(l)) = 1 with the policy gradient; TRL does the same); the logged KL
+   then uses the generator's log-probs;
 4. advantages (PPO: GAE over KL-penalised token rewards; GRPO: group-relative);
 5. training: PPO epochs over mini-batches for the actor (and critic), each replica taking its
    rows of every mini-batch; gradients synced over dp inside ``forward_backward``.
@@ -81,7 +88,7 @@ class Trainer:
         self.stages = build_stages(cfg, self.rank)
         hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
         for key, stage in self.stages.items():
-            if stage.member:
+            if stage.part is not None:  # a vLLM actor.gen has no module: the first sync fills it
                 _, model, _ = cfg.stage_model(key)
                 if model.path and stage.args.spec.head == "lm":
                     load_hf(stage, model.path)
@@ -92,6 +99,8 @@ class Trainer:
         self.syncs = [WeightSync(src=self.stages["actor.train"], dst=self.stages["actor.gen"])]
         if "critic.infer" in self.stages:
             self.syncs.append(WeightSync(src=self.stages["critic.train"], dst=self.stages["critic.infer"]))
+        one_update = hp.epochs == 1 and hp.minibatch_size >= cfg.batch_size
+        self.on_policy = one_update and (cfg.algorithm == "grpo" or not cfg.ppo.kl_in_reward)
         self.step = 0
 
     # ------------------------------------------------------------------ one step
@@ -109,7 +118,8 @@ class Trainer:
 
         t = time.perf_counter()
         temp = cfg.rollout.temperature
-        batch["old_logprobs"] = infer(self.stages["actor.train"], batch, "logprobs", temp)
+        if not self.on_policy:
+            batch["old_logprobs"] = infer(self.stages["actor.train"], batch, "logprobs", temp)
         if "ref.infer" in self.stages:
             batch["ref_logprobs"] = infer(self.stages["ref.infer"], batch, "logprobs", temp)
         if cfg.algorithm == "ppo":
@@ -122,7 +132,8 @@ class Trainer:
         seconds["training"] = time.perf_counter() - t
 
         mask = batch["response_mask"]
-        kl = masked_mean(kl_k1(batch["old_logprobs"], batch["ref_logprobs"]), mask) if "ref_logprobs" in batch else torch.zeros(())
+        old = batch.get("old_logprobs", batch["rollout_logprobs"])
+        kl = masked_mean(kl_k1(old, batch["ref_logprobs"]), mask) if "ref_logprobs" in batch else torch.zeros(())
         total = time.perf_counter() - start
         self.step += 1
         return {
@@ -146,13 +157,16 @@ class Trainer:
         b, local = len(prompts), None
         if gen.member:
             lo, hi = gen.rows(b)
-            sampler = torch.Generator().manual_seed(_seed(cfg.seed, self.step, 1 + gen.part.groups.dp_index))
-            with torch.no_grad():
-                out = generate(
-                    gen.part.module, prompts[lo:hi], max_new_tokens=cfg.rollout.max_new_tokens,
-                    temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                    stop_tokens=(self.task.eos_id,), pad_id=self.task.pad_id, generator=sampler,
-                )
+            seed = _seed(cfg.seed, self.step, 1 + gen.coords()[0])
+            sampling = dict(
+                max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                stop_tokens=() if cfg.rollout.ignore_eos else (self.task.eos_id,), pad_id=self.task.pad_id,
+            )
+            if gen.engine is not None:
+                out = gen.engine.generate(prompts[lo:hi], seed=seed, **sampling)
+            else:
+                with torch.no_grad():
+                    out = generate(gen.part.module, prompts[lo:hi], generator=torch.Generator().manual_seed(seed), **sampling)
             local = _padded(out, cfg.rollout.max_new_tokens, self.task.pad_id)
         rows = gather_rows(gen, local, b)
         p = rows["tokens"].shape[1] - cfg.rollout.max_new_tokens
@@ -162,6 +176,7 @@ class Trainer:
             "input_ids": rows["tokens"],
             "attention_mask": rows["attention_mask"],
             "response_mask": rows["response_mask"].float(),
+            "rollout_logprobs": rows["logprobs"],
             "prompt_width": torch.full((b,), p, dtype=torch.int64),
         }
         return batch, scores
@@ -191,8 +206,9 @@ class Trainer:
 
         def actor_loss(logits, mb):
             logprobs = response_logprobs(logits, mb, temp)
+            old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()  # on-policy: see step 3
             return ppo.policy_loss(
-                logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"], clip=hp.clip,
+                logprobs, old, mb["advantages"], mb["response_mask"], clip=hp.clip,
                 ref_logprobs=mb.get("ref_logprobs"), kl_coef=actor_kl,
             )
 
@@ -261,6 +277,7 @@ def _padded(out, width: int, pad_id: int) -> dict[str, torch.Tensor]:
         "tokens": pad(out.tokens, pad_id),
         "attention_mask": pad(out.attention_mask, False),
         "response_mask": pad(out.response_mask, False)[:, -width:],
+        "logprobs": pad(out.logprobs, 0.0),
     }
 
 

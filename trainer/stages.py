@@ -5,6 +5,10 @@ config); all ranks create every stage's process groups in the same order first
 (``new_group`` is collective over the world). Model-stages are co-located and run one
 after another, as verl's hybrid engine does: generation, then inference, then training.
 
+With ``rollout.engine: vllm``, ``actor.gen`` is a ``VLLMEngine`` (trainer/vllm_engine.py)
+instead of a Nereus module: its EMUs are vLLM's fused layout and its buffers vLLM's live
+parameters, so the weight sync writes straight into vLLM.
+
 Batch split: a stage with dp replicas gives replica d the rows ``tensor_split(B, dp)[d]``;
 all TP and PP ranks of a replica see the same rows. Results come back to every rank with
 one ``all_gather_object`` per call (the tiny CPU jobs move kilobytes; a GPU job would
@@ -26,6 +30,7 @@ from .config import JobConfig, StageConfig, decoder_spec
 from .model import ModelArgs
 from .parallel import StagePart, build_stage, optimizer_buffers, stage_buffers, stage_grads, stage_groups
 from .pipeline import forward, forward_backward
+from .vllm_engine import VLLMEngine, vllm_emus
 
 
 @dataclass(kw_only=True)
@@ -43,26 +48,37 @@ class ModelStage:
     """All ranks of the model-stage (None: the world)."""
     norm_weights: dict[str, float] = field(default_factory=dict)
     """Per local parameter: 1 / holders of its box in this rank's EMU (see ``clip_grads``)."""
+    engine: VLLMEngine | None = None
+    """``actor.gen`` under ``rollout.engine: vllm``: vLLM holds the weights, ``part`` is None."""
 
     @property
     def member(self) -> bool:
-        return self.part is not None
+        return self.part is not None or self.engine is not None
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Rank-local views of the parameters (and AdamW state for training stages)."""
         if self.part is None:
-            return {}
+            return self.param_buffers()
         out = stage_buffers(self.part)
         if self.optimizer is not None:
             out.update(optimizer_buffers(self.part, self.optimizer))
         return out
 
     def param_buffers(self) -> dict[str, torch.Tensor]:
+        if self.engine is not None:
+            return self.engine.param_buffers()
         return {} if self.part is None else stage_buffers(self.part)
+
+    def coords(self) -> tuple[int, int, int]:
+        """(dp, pp, tp) index of this (member) rank in the stage's config."""
+        if self.engine is not None:
+            return self.engine.coords
+        g = self.part.groups
+        return g.dp_index, g.pp_index, g.tp_index
 
     def rows(self, batch_size: int) -> tuple[int, int]:
         """[lo, hi) of the batch rows this rank's replica handles."""
-        d = self.part.groups.dp_index
+        d = self.coords()[0]
         sizes = [len(c) for c in torch.arange(batch_size).tensor_split(self.config.dp)]
         lo = sum(sizes[:d])
         return lo, lo + sizes[d]
@@ -70,7 +86,7 @@ class ModelStage:
     @property
     def reports(self) -> bool:
         """True on the one rank per replica that reports its rows (TP 0, PP 0)."""
-        return self.part is not None and self.part.groups.tp_index == 0 and self.part.groups.pp_index == 0
+        return self.member and self.coords()[1:] == (0, 0)
 
 
 def model_args(cfg: JobConfig, key: str) -> ModelArgs:
@@ -89,7 +105,10 @@ def build_stages(cfg: JobConfig, rank: int) -> dict[str, ModelStage]:
     for key, sc in cfg.plan.stages().items():
         args = model_args(cfg, key)
         config = sc.parallel_config(cfg.nproc)
-        _check_engine(key, sc)
+        _check_engine(key, sc, cfg.rollout.engine)
+        if key == "actor.gen" and cfg.rollout.engine == "vllm":
+            stages[key] = _vllm_stage(cfg, key, args, config, rank)
+            continue
         groups = stage_groups(config, args.spec, rank)
         part = build_stage(args, config, rank, dp_shard=sc.dp_shard, groups=groups) if groups else None
         train = key.endswith(".train")
@@ -125,11 +144,30 @@ def _norm_weights(stage: ModelStage, rank: int) -> dict[str, float]:
     return weights
 
 
-def _check_engine(key: str, sc: StageConfig) -> None:
+def _vllm_stage(cfg: JobConfig, key: str, args: ModelArgs, config: ParallelConfig, rank: int) -> ModelStage:
+    """``actor.gen`` as a vLLM engine on every rank (vLLM's setup is collective over the world)."""
+    stage = ModelStage(key=key, args=args, config=config, dp_shard=False, part=None)
+    stage.emus = vllm_emus(args.spec, config, model="actor", stage="gen")
+    stage.engine = VLLMEngine(
+        args, config, rank=rank, seed=cfg.seed, model_path=cfg.model.path,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+    )
+    stage.group = _stage_group(config)
+    return stage
+
+
+def _check_engine(key: str, sc: StageConfig, engine: str = "builtin") -> None:
+    """The rollout engine runs this plan (``trainer/config.py`` checks the same when loading)."""
+    if key == "actor.gen" and engine == "vllm":
+        if not sc.fused:
+            raise ValueError("plan 'actor.gen': the vllm engine writes into vLLM's fused buffers, set fused: true")
+        if sc.pp > 1:
+            raise ValueError(f"plan 'actor.gen': the vllm engine runs pp=1 only, got pp={sc.pp}")
+        return
     if key == "actor.gen" and sc.pp > 1:
         raise ValueError(f"plan 'actor.gen': the built-in generator runs pp=1 only, got pp={sc.pp}")
     if sc.fused:
-        raise ValueError(f"plan {key!r}: fused (vLLM) layouts need the vllm engine, not the built-in generator")
+        raise ValueError(f"plan {key!r}: fused (vLLM) layouts need rollout.engine: vllm, not the built-in generator")
 
 
 def make_optimizer(stage: ModelStage, lr: float) -> None:

@@ -109,3 +109,32 @@ def test_resume_without_a_checkpoint_says_so(tmp_path):
     result = runner.invoke(app, ["train", TINY_PPO, "--set", "steps=1", "--run-dir", str(tmp_path), "--resume"])
     assert result.exit_code == 1
     assert "no committed checkpoint" in result.output
+
+
+def _two_steps(rank, world_size, run_dir, on_policy):
+    """Two GRPO steps of one update each; the shortcut on or forced off (old log-probs computed)."""
+    from nereus.trainer.loop import Trainer
+
+    two = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.ref.infer.dp=1"]  # tp2 stay
+    cfg = load_config(TINY_GRPO, [*two, f"run_dir={run_dir}", "grpo.epochs=1", "grpo.minibatch_size=256"])
+    trainer = Trainer(cfg)
+    assert trainer.on_policy  # one epoch of one mini-batch, KL as a loss term
+    trainer.on_policy = on_policy
+    steps = [trainer.run_step() for _ in range(2)]
+    params = {k: v.detach().numpy().copy() for k, v in trainer.stages["actor.train"].param_buffers().items()}  # by value
+    return [{k: s[k] for k in ("actor/loss", "actor/pg_loss", "actor/ratio", "reward_mean")} for s in steps], params
+
+
+@pytest.mark.timeout(300)
+def test_one_update_per_step_skips_the_old_logprob_forward_exactly(tmp_path):
+    from tests.distributed_harness import run_distributed
+
+    fast = run_distributed(_two_steps, 2, str(tmp_path / "a"), True, timeout=240)
+    slow = run_distributed(_two_steps, 2, str(tmp_path / "b"), False, timeout=240)
+    for (fm, fp), (sm, sp) in zip(fast, slow):
+        for f, s in zip(fm, sm):
+            assert f["reward_mean"] == s["reward_mean"]
+            assert f["actor/ratio"] == pytest.approx(1.0, abs=1e-6)
+            assert f["actor/loss"] == pytest.approx(s["actor/loss"], abs=1e-6)
+        for name in sp:
+            assert abs(fp[name] - sp[name]).max() <= 1e-6, name

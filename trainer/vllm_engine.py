@@ -1,0 +1,426 @@
+"""vLLM as the rollout engine: in-process SPMD beside the trainer, weights written in place.
+
+``VLLMEngine`` runs vLLM the way verl's hybrid engine does: every rank of ``actor.gen`` builds
+one ``vllm.LLM`` with ``distributed_executor_backend="external_launcher"`` inside the trainer's
+process and torch.distributed world. vLLM cuts the world into TP groups of consecutive ranks
+(its "external DP" layout), which is Nereus's ``ParallelConfig`` order (TP fastest) when
+``actor.gen`` covers ranks 0..N-1 in order with pp=1 (``check_vllm_plan``). The ranks of one TP
+group call ``generate`` with the same prompts and seed; each group (dp replica) takes its rows.
+
+Weights: vLLM starts from random parameters (``load_format="dummy"``). ``param_buffers()``
+gives reshard this rank's live vLLM parameter tensors keyed by the buffer names of the fused
+rollout layout (``vllm_emus``), so ``reshard.execute`` writes the trained weights straight into
+them: no full gather, no HF state dict, no ``load_weights``.
+
+vLLM's parameters on TP rank t of tp (Llama/Qwen2; h hidden, d head_dim, H heads, K KV heads,
+I intermediate, V vocab), as ``vllm_param_names`` lists them:
+
+- ``model.embed_tokens.weight``, ``lm_head.weight`` [Vp/tp, h], Vp = V rounded up to a multiple
+  of 64 (``DEFAULT_VOCAB_PADDING_SIZE`` of vLLM's ``VocabParallelEmbedding``/``ParallelLMHead``):
+  rank t's leading rows hold token ids [t·Vp/tp, (t+1)·Vp/tp) ∩ [0, V), padding follows, and a
+  rank may hold padding only (``vocab_rows``). Reshard writes the real rows through a view;
+  vLLM drops the padded logits before sampling and never looks padded ids up.
+- ``self_attn.qkv_proj.weight`` [(H/tp + 2k)·d, h] = [q_t; k_t; v_t], k = max(K/tp, 1); with
+  K < tp, KV head t // (tp/K) is replicated. ``qkv_proj.bias`` alike (Qwen2).
+- ``self_attn.o_proj.weight`` [h, H·d/tp], ``mlp.down_proj.weight`` [h, I/tp]: row-parallel.
+- ``mlp.gate_up_proj.weight`` [2I/tp, h] = [gate_t; up_t]; norms [h], replicated.
+- Tied embeddings: no ``lm_head`` parameter (vLLM shares the embedding module).
+
+Log-probabilities: the LLM runs with ``logprobs_mode="processed_logprobs"`` and each request asks
+``logprobs=0`` (the sampled token only): log_softmax of the logits after temperature and
+top-k/top-p. With top_p = 1 that is the built-in generator's ``log_softmax(logits / T)``; with
+top_p < 1 vLLM renormalises over the nucleus (the true sampling distribution), so its value
+exceeds the built-in's by -log(nucleus mass). vLLM's default, ``raw_logprobs``, would be
+``log_softmax(logits)`` before temperature. T = 0 is greedy.
+
+Stopping: every request has ``ignore_eos=True`` and ``stop_token_ids=stop_tokens``, so exactly
+``stop_tokens`` end a row, as in the built-in generator (vLLM would otherwise add the model's
+generation_config eos ids); ``rollout.ignore_eos`` is the caller passing no stop token. The
+stop token stays in the response. Rollouts have the built-in ``Rollout`` layout, on the CPU.
+
+Sleep mode (as verl): after ``generate`` the engine sleeps; level 2 (default) discards weights
+and KV cache, since each step rewrites every weight. ``param_buffers()`` wakes the weights
+(vLLM's CuMem allocator maps them back at the same addresses) and zeroes the vocab padding,
+``generate`` wakes the KV cache and resets the prefix cache after a weight write.
+
+Written against vLLM's public API, version >= 0.10.2 (V1 engine; ``logprobs_mode`` whose
+"processed" values include temperature and top-p since vLLM PR #22387); checked against the
+0.2x/0.3x docs: ``vllm.LLM`` (``apply_model``, ``generate``, ``sleep(level=)``,
+``wake_up(tags=)``, ``reset_prefix_cache``), ``vllm.SamplingParams``, ``vllm.inputs.TokensPrompt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus
+from nereus.reshard.errors import LayoutError
+from nereus.reshard.layout import DTYPES, EMU, Dims, ParallelConfig, Shard, TensorLayout
+
+from .generate import Rollout, left_pad
+from .model import ModelArgs
+
+VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+MIN_VLLM = (0, 10, 2)
+INSTALL_HINT = "the vllm engine needs `pip install nereus[vllm]` (vLLM >= 0.10.2, on a CUDA build of torch)"
+
+
+class VLLMUnavailableError(ImportError):
+    """vllm cannot be imported here (not installed, or older than ``MIN_VLLM``)."""
+
+
+def import_vllm():
+    """The ``vllm`` module, or VLLMUnavailableError saying how to get it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise VLLMUnavailableError(f"{INSTALL_HINT}; importing vllm failed: {e}") from e
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", getattr(vllm, "__version__", ""))
+    version = tuple(int(x or 0) for x in found.groups()) if found else (0, 0, 0)
+    if version < MIN_VLLM:
+        raise VLLMUnavailableError(f"{INSTALL_HINT}; found vllm {getattr(vllm, '__version__', '?')}")
+    return vllm
+
+
+# ------------------------------------------------------------------ the layout (pure)
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """vLLM's padded vocabulary: ``vocab_size`` rounded up to a multiple of 64."""
+    return -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+
+
+def _vocab_per_rank(spec: DecoderSpec, tp: int) -> int:
+    vp = padded_vocab(spec.vocab_size)
+    if vp % tp:
+        raise LayoutError(
+            f"vLLM pads vocab_size={spec.vocab_size} to {vp} (a multiple of {VOCAB_PADDING}), which tp={tp} does not divide"
+        )
+    return vp // tp
+
+
+def vocab_rows(spec: DecoderSpec, tp: int, tp_rank: int) -> tuple[int, int]:
+    """Token ids [start, stop) in the leading rows of TP rank ``tp_rank``'s vocab-parallel
+    parameters; start == stop when the rank holds padding only."""
+    per = _vocab_per_rank(spec, tp)
+    v = spec.vocab_size
+    return min(tp_rank * per, v), min((tp_rank + 1) * per, v)
+
+
+def vllm_param_names(spec: DecoderSpec, tp: int) -> dict[str, tuple[str, Dims]]:
+    """Nereus fused-layout buffer name -> (vLLM parameter name, its shape on every TP rank).
+
+    The names coincide today (vLLM keeps HF's module paths, fusing q/k/v and gate/up); the map
+    is the one place to change if vLLM renames. Raises LayoutError for what vLLM cannot hold.
+    """
+    if spec.head != "lm":
+        raise LayoutError("the vllm engine samples from an lm head, not a value head")
+    check_tp(spec, tp)
+    h, d, inter = spec.hidden_size, spec.dim_head, spec.intermediate_size
+    q, kv = spec.num_heads * d // tp, max(spec.num_kv_heads // tp, 1) * d
+    vocab = (_vocab_per_rank(spec, tp), h)
+    shapes: dict[str, Dims] = {"model.embed_tokens.weight": vocab}
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        if spec.qkv_bias:
+            shapes[p + "self_attn.qkv_proj.bias"] = (q + 2 * kv,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter // tp, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter // tp)
+    shapes["model.norm.weight"] = (h,)
+    if not spec.tie_embeddings:
+        shapes["lm_head.weight"] = vocab
+    return {name: (name, shape) for name, shape in shapes.items()}
+
+
+def check_vllm_plan(spec: DecoderSpec, config: ParallelConfig, world_size: int) -> None:
+    """Raise LayoutError unless vLLM can run ``actor.gen`` under ``config`` in this world."""
+    if config.pp != 1:
+        raise LayoutError(f"the vllm engine runs actor.gen with pp=1, got pp={config.pp}")
+    if config.ranks != tuple(range(world_size)):
+        raise LayoutError(
+            f"the vllm engine needs actor.gen on every rank in order (0..{world_size - 1}), got {config.ranks}: "
+            "vLLM builds its TP groups from consecutive ranks of the whole world"
+        )
+    vllm_param_names(spec, config.tp)
+
+
+def vllm_emus(spec: DecoderSpec, config: ParallelConfig, *, model: str = "actor", stage: str = "gen", version: int = 0) -> list[EMU]:
+    """The EMUs of vLLM's rollout layout: ``derive_emus(..., fused=True)`` with the vocab-parallel
+    tensors cut where vLLM's padded vocabulary puts them (``vocab_rows``)."""
+    if config.pp != 1:
+        raise LayoutError(f"the vllm engine runs actor.gen with pp=1, got pp={config.pp}")
+    vllm_param_names(spec, config.tp)
+    out = []
+    for emu in derive_emus(spec, config, model=model, stage=stage, fused=True, version=version):
+        tensors = tuple(_vocab_layout(t, spec, config, emu.replica) if t.name in VOCAB else t for t in emu.tensors)
+        fields = {f.name: getattr(emu, f.name) for f in dataclasses.fields(EMU) if f.init and f.name != "_index"}
+        out.append(EMU(**{**fields, "tensors": tensors}))  # the validating constructor checks coverage
+    return out
+
+
+def _vocab_layout(layout: TensorLayout, spec: DecoderSpec, config: ParallelConfig, replica: int) -> TensorLayout:
+    shards = []
+    for t in range(config.tp):
+        start, stop = vocab_rows(spec, config.tp, t)
+        if stop > start:
+            shards.append(Shard(rank=config.rank(dp=replica, tp=t), offsets=(start, 0), lengths=(stop - start, spec.hidden_size)))
+    return TensorLayout(name=layout.name, shape=layout.shape, dtype=layout.dtype, shards=tuple(shards))
+
+
+def nereus_buffers(params: Mapping[str, torch.Tensor], spec: DecoderSpec, tp: int, tp_rank: int) -> dict[str, torch.Tensor]:
+    """Reshard target buffers of TP rank ``tp_rank``: views of vLLM's parameters ``params``
+    (``named_parameters()`` of its model), keyed like ``local_buffers`` of ``vllm_emus``.
+
+    Checks names, shapes and dtypes first: a LayoutError names what differs (another vLLM
+    version's layout, or a model whose config is not the spec's).
+    """
+    expected = vllm_param_names(spec, tp)
+    wanted = {vname for vname, _ in expected.values()}
+    missing, extra = sorted(wanted - set(params)), sorted(set(params) - wanted)
+    if missing or extra:
+        raise LayoutError(
+            f"vLLM's model is not the layout Nereus writes: missing {missing[:4]}, unexpected {extra[:4]} "
+            f"({len(missing)} and {len(extra)} in all)"
+        )
+    dtype = DTYPES[spec.dtype]
+    start, stop = vocab_rows(spec, tp, tp_rank)
+    out = {}
+    for name, (vname, shape) in expected.items():
+        p = params[vname]
+        p = p.data if isinstance(p, torch.nn.Parameter) else p
+        if tuple(p.shape) != shape or p.dtype != dtype:
+            raise LayoutError(f"vLLM parameter {vname!r} is {list(p.shape)} {p.dtype}, Nereus expects {list(shape)} {dtype}")
+        if name in VOCAB:
+            if stop == start:
+                continue  # this rank holds padding only
+            p = p[: stop - start]
+        out[name] = p
+    return out
+
+
+def vllm_hf_config(args: ModelArgs) -> dict:
+    """A ``config.json`` vLLM builds the model from (Qwen2 when q/k/v have biases, else Llama:
+    vLLM's Llama puts ``attention_bias`` on o_proj too, which Nereus models do not have)."""
+    if args.spec.head != "lm":
+        raise LayoutError("the vllm engine samples from an lm head, not a value head")
+    return dataclasses.replace(args, model_type="qwen2" if args.spec.qkv_bias else "llama").to_hf_config()
+
+
+def rollout_from_tokens(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], pad_id: int
+) -> Rollout:
+    """A ``Rollout`` in the built-in generator's layout from per-row response tokens (stop
+    token included) and their log-probs: prompts left-padded, N = the longest response."""
+    ids, lengths = left_pad(prompts, pad_id)
+    b, width = ids.shape
+    n = max([1, *(len(r) for r in responses)])
+    tokens = torch.full((b, n), pad_id, dtype=torch.long)
+    lps = torch.zeros((b, n), dtype=torch.float32)
+    mask = torch.zeros((b, n), dtype=torch.bool)
+    for row, (r, lp) in enumerate(zip(responses, logprobs, strict=True)):
+        if len(lp) != len(r):
+            raise ValueError(f"row {row}: {len(r)} tokens but {len(lp)} log-probs")
+        tokens[row, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        lps[row, : len(r)] = torch.as_tensor(list(lp), dtype=torch.float32)
+        mask[row, : len(r)] = True
+    prompt_mask = torch.arange(width) >= width - lengths[:, None]
+    return Rollout(
+        tokens=torch.cat([ids, tokens], 1),
+        prompt_mask=torch.cat([prompt_mask, torch.zeros_like(mask)], 1),
+        response_mask=torch.cat([torch.zeros_like(prompt_mask), mask], 1),
+        logprobs=lps,
+        prompt_lengths=lengths,
+        response_lengths=mask.sum(1),
+    )
+
+
+def _row_seed(seed: int, row: int) -> int:
+    return (seed * 1_000_003 + row + 1) % (1 << 62)
+
+
+# ------------------------------------------------------------------ the engine
+
+
+class VLLMEngine:
+    """One rank's vLLM engine for ``actor.gen`` (see the module docstring).
+
+    Every rank of the world constructs it at the same point: vLLM's setup is collective.
+    ``sleep_level`` None keeps the engine awake (no sleep mode).
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        config: ParallelConfig,
+        *,
+        rank: int | None = None,
+        seed: int = 0,
+        model_path: str | None = None,
+        gpu_memory_utilization: float = 0.5,
+        sleep_level: int | None = 2,
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        if not dist.is_initialized():
+            raise RuntimeError("the vllm engine joins the trainer's torch.distributed world: initialise it first")
+        self.args, self.spec, self.config = args, args.spec, config
+        self.rank = dist.get_rank() if rank is None else rank
+        check_vllm_plan(self.spec, config, dist.get_world_size())
+        i = config.ranks.index(self.rank)
+        self.coords = (i // config.tp, 0, i % config.tp)
+        """(dp, pp, tp) index of this rank in ``config``."""
+        for key in ("RANK", "LOCAL_RANK"):  # read by vLLM's ExecutorWithExternalLauncher
+            if key not in os.environ:
+                raise RuntimeError(f"the vllm engine needs {key} in the environment (set by torchrun and `nereus train`)")
+        if int(os.environ["RANK"]) != self.rank:
+            raise RuntimeError(f"RANK={os.environ['RANK']} in the environment, but this is rank {self.rank}")
+        if sleep_level not in (None, 1, 2):
+            raise ValueError(f"sleep_level must be None, 1 or 2, got {sleep_level}")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (external launcher)
+        self.sleep_level = sleep_level
+        self._sampling_params, self._tokens_prompt = vllm.SamplingParams, TokensPrompt
+        self._model_dir = model_path or self._write_config()
+        self.llm = vllm.LLM(
+            model=self._model_dir,
+            skip_tokenizer_init=True,  # prompts arrive as token ids
+            load_format="dummy",  # weights come from the trainer through reshard
+            dtype=self.spec.dtype,
+            seed=seed,
+            tensor_parallel_size=config.tp,
+            pipeline_parallel_size=1,
+            distributed_executor_backend="external_launcher",
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=sleep_level is not None,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len or args.max_seq_len,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # no sampling defaults from the model's generation_config.json
+            disable_custom_all_reduce=True,
+        )
+        self._weights_asleep = self._kv_asleep = self._weights_lost = self._written = False
+        self.sleep()
+
+    def _write_config(self) -> str:
+        path = tempfile.mkdtemp(prefix=f"nereus-vllm-{self.rank}-")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(vllm_hf_config(self.args), f, indent=1)
+        return path
+
+    # ---------------------------------------------------------------- weights
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        """vLLM's live parameters on this rank (in-process worker: the tensors themselves)."""
+        (params,) = self.llm.apply_model(lambda model: dict(model.named_parameters()))
+        return params
+
+    def param_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's live vLLM parameters as reshard target buffers (``nereus_buffers``).
+
+        Wakes the weights if asleep. After level-2 sleep their values are gone: the caller
+        (the weight sync) must write every buffer before the next ``generate``.
+        """
+        if self._weights_asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+        params = self._params()
+        if self._weights_lost:
+            start, stop = vocab_rows(self.spec, self.config.tp, self.coords[2])
+            with torch.no_grad():
+                for name in VOCAB:
+                    if name in params:
+                        params[name].data[stop - start :].zero_()  # padding rows: never written by reshard
+            self._weights_lost = False
+        self._written = True
+        return nereus_buffers(params, self.spec, self.config.tp, self.coords[2])
+
+    # ---------------------------------------------------------------- sleep
+
+    def sleep(self) -> None:
+        """Free the KV cache (and the weights: offloaded at level 1, discarded at level 2)."""
+        if self.sleep_level is None or (self._weights_asleep and self._kv_asleep):
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._weights_asleep = self._kv_asleep = True
+        self._weights_lost = self.sleep_level == 2
+
+    def _wake_for_generation(self) -> None:
+        if self._weights_lost:
+            raise RuntimeError(
+                "vLLM discarded its weights when it slept (level 2): write them through param_buffers() "
+                "(the weight sync) before generate"
+            )
+        if self._weights_asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+        if self._kv_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_asleep = False
+        if self._written:
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+            self._written = False
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_tokens: Sequence[int] = (),
+        pad_id: int,
+        seed: int = 0,
+    ) -> Rollout:
+        """Sample up to ``max_new_tokens`` per prompt; the ``Rollout`` of the built-in generator.
+
+        Every rank of this rank's TP group must call it with the same arguments. Row i samples
+        with seed ``hash(seed, i)``, so a seed gives the same tokens on every TP rank and run.
+        """
+        if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
+            raise ValueError(
+                f"need temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1; got {temperature}, {top_p}, {max_new_tokens}"
+            )
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        self._wake_for_generation()
+        requests = [self._tokens_prompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        params = [
+            self._sampling_params(
+                n=1,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                stop_token_ids=[int(t) for t in stop_tokens],
+                ignore_eos=True,  # only stop_tokens stop a row (see the module docstring)
+                logprobs=0,  # the sampled token's log-prob only
+                seed=_row_seed(seed, row),
+                detokenize=False,
+            )
+            for row in range(len(prompts))
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        responses, logprobs = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = [int(t) for t in completion.token_ids]
+            responses.append(tokens)
+            logprobs.append([float(step[t].logprob) for step, t in zip(completion.logprobs, tokens, strict=True)])
+        self.sleep()
+        return rollout_from_tokens(prompts, responses, logprobs, pad_id)
