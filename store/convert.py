@@ -47,7 +47,7 @@ from .errors import CheckpointExistsError, ModelMismatchError, StoreError
 from .hf import HFCheckpoint, HFWriter, check_against_spec, hf_config_from_spec, is_hf_dir, spec_from_hf_config
 from .checksum import block_checksums
 from .records import Manifest
-from .safetensors_io import map_file
+from .safetensors_io import Interleaved, map_file
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 MODEL = "actor"
@@ -196,37 +196,46 @@ class NereusSource:
         self._load(self.by_tensor.get(key, []), {key: target})
         return target
 
-    def slabs(self, name: str) -> list[torch.Tensor] | None:
-        """The tensor's bytes as zero-copy views of its box files, in order — when its saved
-        boxes are whole dim-0 slabs (every trailing dim complete), so the row-major tensor
-        is their concatenation — after checking the files; None otherwise.
+    def runs(self, name: str) -> Interleaved | None:
+        """The tensor's bytes as zero-copy runs of its box files (``Interleaved``) — when its
+        saved boxes cut it along one dimension only (each box whole in every other dimension;
+        dim-0 slabs, or column blocks of row-parallel weights) — after checking the files;
+        None otherwise.
 
         A shortcut for streaming out whole tensors: each box file (located by the staged
-        reader) is memory-mapped once (``map_file``), its checksums computed on that map and
-        the writer writes from it, so bytes go from the page cache to the output with no
-        copy and one mapping; other tensors are loaded by :meth:`read`.
+        reader) is memory-mapped once (``map_file``), its checksums computed on that map, and
+        the writer ``writev``s from it, so bytes go from the page cache to the output with no
+        copy in this process; other tensors are loaded by :meth:`read`.
         """
         key = f"{self.model}/{name}"
         layout = self.plan.layouts[key]
-        entries = sorted(self._entries(name), key=lambda e: e.offsets)
-        row = 0
+        shape = tuple(layout.shape)
+        entries = self._entries(name)
+        if not shape or not isinstance(self._reader.fs, LocalFileSystem):
+            return None
+        cut = [d for d in range(len(shape)) if any(e.lengths[d] != shape[d] for e in entries)] or [0]
+        if len(cut) > 1:
+            return None
+        k = cut[0]
+        entries = sorted(entries, key=lambda e: e.offsets[k])
+        at = 0
         for e in entries:
-            if not layout.shape or e.offsets[0] != row or tuple(e.lengths[1:]) != tuple(layout.shape[1:]):
+            if e.offsets[k] != at:  # a gap or an overlap (replicas are saved once)
                 return None
-            row += e.lengths[0]
-        if row != layout.shape[0] or not isinstance(self._reader.fs, LocalFileSystem):
+            at += e.lengths[k]
+        if at != shape[k]:
             return None
         self.store.check_files(self.manifest, entries)
         self._reader.read_metadata()
-        pieces = []
+        parts = []
         for e in entries:
             path = self._reader.boxes[MetadataIndex(key, torch.Size(e.offsets))].path
             raw = map_file(path, 0, e.nbytes)
-            sums = block_checksums(raw.numpy(), self.manifest.checksum_block)
-            if sums != e.checksums:
+            if block_checksums(raw.numpy(), self.manifest.checksum_block) != e.checksums:
                 self.store.verify(self.manifest, {e: range(len(e.checksums))})  # names the bad block
-            pieces.append(raw.view(DTYPES[e.dtype]))
-        return pieces
+            parts.append(raw)
+        rows = math.prod(shape[:k])
+        return Interleaved(tuple(parts), tuple(p.numel() // rows for p in parts), rows, DTYPES[layout.dtype])
 
     def _load(self, transfers: list, out: dict[str, torch.Tensor]) -> None:
         """``load_staged`` for a few transfers, with ONE ``StagedReader`` kept for every call:
@@ -274,21 +283,21 @@ class Prefetcher:
     verification, so a tensor is checked before the caller sees it.
     """
 
-    def __init__(self, source, names: list[str], dtypes: Mapping[str, str], *, slabs: bool = False) -> None:
+    def __init__(self, source, names: list[str], dtypes: Mapping[str, str], *, runs: bool = False) -> None:
         self.source, self.names, self.dtypes = source, names, dtypes
-        self.slabs = slabs and hasattr(source, "slabs")
+        self.runs = runs and hasattr(source, "runs")
         self.scratch = [Scratch(), Scratch()]
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nereus-read")
         self.pending: dict[int, object] = {}
         self.next = 0
         self._submit(0)
 
-    def _read(self, i: int) -> torch.Tensor | list[torch.Tensor]:
+    def _read(self, i: int) -> torch.Tensor | Interleaved:
         name = self.names[i]
-        if self.slabs and dtype_name(self.source.shape(name)[1]) == self.dtypes[name]:
-            pieces = self.source.slabs(name)
-            if pieces is not None:
-                return pieces
+        if self.runs and dtype_name(self.source.shape(name)[1]) == self.dtypes[name]:
+            runs = self.source.runs(name)
+            if runs is not None:
+                return runs
         loaded = self.source.read(name, self.scratch[i % 2])
         return _cast(loaded, self.dtypes[name])
 
@@ -323,12 +332,12 @@ def convert_to_hf(source, dst: str, *, dtype: str | None, overwrite: bool, progr
     config["torch_dtype"] = spec.dtype
     writer = HFWriter(dst, entries, config, overwrite=overwrite, max_shard_bytes=max_shard_bytes, sync=sync)
     total = 0
-    reader = Prefetcher(source, [e[0] for e in entries], {e[0]: e[1] for e in entries}, slabs=True)
+    reader = Prefetcher(source, [e[0] for e in entries], {e[0]: e[1] for e in entries}, runs=True)
     try:
         for name, _, _ in entries:
-            tensor = reader.get(name)  # a tensor, or its dim-0 slabs straight from the box files
+            tensor = reader.get(name)  # a tensor, or Interleaved runs straight from the box files
             writer.write(name, tensor)
-            nbytes = tensor.nbytes if isinstance(tensor, torch.Tensor) else sum(p.nbytes for p in tensor)
+            nbytes = tensor.nbytes
             total += nbytes
             if progress:
                 progress(nbytes)

@@ -20,7 +20,7 @@ import os
 import shutil
 import uuid
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 
@@ -28,7 +28,7 @@ from nereus.reshard.derive import DecoderSpec, plan_parameters
 from nereus.reshard.layout import DTYPES, dtype_name
 
 from .errors import CheckpointExistsError, ModelMismatchError, StoreError
-from .safetensors_io import SafetensorsWriter, TensorInfo, map_file, read_box, read_header
+from .safetensors_io import Interleaved, SafetensorsWriter, TensorInfo, map_file, read_box, read_header
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -231,8 +231,8 @@ class HFWriter:
         with open(os.path.join(self._tmp, CONFIG), "w") as f:
             json.dump(dict(config), f, indent=2, sort_keys=True)
 
-    def write(self, name: str, tensor: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """Write the next tensor: a tensor, or its consecutive dim-0 slabs (see SafetensorsWriter)."""
+    def write(self, name: str, tensor: torch.Tensor | Interleaved) -> None:
+        """Write the next tensor: a tensor, or its bytes as ``Interleaved`` runs (see SafetensorsWriter)."""
         if self._pos >= len(self._order):
             raise StoreError(f"{self.dst}: tensor {name!r} written past the declared tensors")
         file, expected = self._order[self._pos]

@@ -51,6 +51,68 @@ class TensorInfo:
         return self.end - self.start
 
 
+@dataclass(frozen=True, slots=True)
+class Interleaved:
+    """A tensor's row-major bytes taken in turn from several byte buffers, without a copy.
+
+    For each of ``rows`` outer rows, the next ``chunks[j]`` bytes of ``parts[j]`` for every j
+    in order. A tensor cut along one dimension k into boxes that are whole in every other
+    dimension is this, with rows = prod(shape[:k]) and chunks[j] = box j's bytes per row:
+    whole dim-0 slabs are the case rows = 1 (the parts simply follow each other).
+    ``parts`` are uint8 tensors (typically maps of box files), each ``rows * chunks[j]`` long.
+    """
+
+    parts: tuple[torch.Tensor, ...]
+    chunks: tuple[int, ...]
+    rows: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * sum(self.chunks)
+
+    def numel(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+    def runs(self) -> Iterable[memoryview]:
+        """The byte runs in file order (memoryviews of ``parts``, no copy)."""
+        views = [memoryview(p.numpy()).cast("B") for p in self.parts]
+        if self.rows == 1:
+            yield from views
+            return
+        pairs = list(zip(views, self.chunks))
+        for r in range(self.rows):
+            for view, chunk in pairs:
+                yield view[r * chunk : (r + 1) * chunk]
+
+
+IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+def write_runs(file, runs: Iterable[memoryview]) -> None:
+    """Write byte runs in order with ``writev``, up to IOV_MAX runs a call; a short write
+    (allowed, rare on regular files) finishes run by run."""
+    batch: list[memoryview] = []
+
+    def flush() -> None:
+        done = os.writev(file.fileno(), batch)
+        for b in batch:
+            if done >= len(b):
+                done -= len(b)
+                continue
+            rest, done = b[done:], 0
+            while len(rest):
+                rest = rest[file.write(rest) :]
+        batch.clear()
+
+    for run in runs:
+        batch.append(run)
+        if len(batch) == IOV_MAX:
+            flush()
+    if batch:
+        flush()
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous tensor's storage (any dtype, 0-d included)."""
     if not t.is_contiguous():
@@ -214,25 +276,21 @@ class SafetensorsWriter:
         self._file = open(self._tmp, "wb", buffering=0)
         self._file.write(header)
 
-    def write(self, name: str, tensor: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    def write(self, name: str, tensor: torch.Tensor | Interleaved) -> None:
         """Write the next declared tensor: one tensor of its shape, or its row-major bytes as
-        consecutive dim-0 slabs (pieces whose element counts add up to the tensor's)."""
+        ``Interleaved`` runs (their element count must be the tensor's)."""
         if self._next >= len(self._entries):
             raise StoreError(f"{self.path}: tensor {name!r} written past the declared entries")
         want, dtype, shape = self._entries[self._next]
-        pieces = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor)
-        whole = tuple(pieces[0].shape) if len(pieces) == 1 else (sum(p.numel() for p in pieces),)
-        fits = tuple(shape) == whole if len(pieces) == 1 else math.prod(shape) == whole[0]
-        if name != want or any(p.dtype != _TORCH[dtype] for p in pieces) or not fits:
+        runs = isinstance(tensor, Interleaved)
+        whole = (tensor.numel(),) if runs else tuple(tensor.shape)
+        fits = math.prod(shape) == whole[0] if runs else tuple(shape) == whole
+        if name != want or tensor.dtype != _TORCH[dtype] or not fits:
             raise StoreError(
                 f"{self.path}: expected tensor {want!r} {shape} {dtype} next, got {name!r} "
-                f"{whole} {pieces[0].dtype}"
+                f"{whole} {tensor.dtype}"
             )
-        for piece in pieces:
-            view = byte_view(piece.contiguous())
-            done = 0
-            while done < len(view):
-                done += self._file.write(view[done:])
+        write_runs(self._file, tensor.runs() if runs else [byte_view(tensor.contiguous())])
         self._next += 1
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ file; conversions fsync every file before the commit, as ``nereus convert`` does
 default: ``convert_over_copy_fsync``). Seconds are measured inside each process around
 the call alone (no interpreter start), after ``sync`` so no phase flushes another's
 writes; each phase runs ``--repeat`` times (interleaved with the others, the copy first,
-in the middle and last in turn) and the median counts. Before any timing, 4x the model's size of memory is touched once in a throwaway
+in the middle and last in turn) and the median counts. Before any timing, all free memory but 1 GiB is touched once in a throwaway
 process: on a VM, writing into guest memory never touched before is several times slower
 than into memory used before, which would otherwise favour whichever phase runs second. Throughput = model bytes / seconds (each leg, like the copy, reads and writes the
 model's bytes once); ``convert_over_copy`` = (2 x bytes / (to_nereus + to_hf seconds)) /
@@ -153,10 +153,11 @@ def main() -> None:
         hf = str(work / "hf")
         run_phase("generate", hf, config)
         # On a VM, the first write into never-touched guest memory (page cache included) runs
-        # ~4x slower than into memory used before. Touch 4x the model once, so every phase
-        # below writes into memory the VM already backs, the copy as much as the conversions.
+        # ~4x slower than into memory used before, and the kernel hands out free pages in no
+        # fixed order: touch all free memory but 1 GiB once, so every phase below writes into
+        # memory the VM already backs, the copy as much as the conversions.
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        run_phase("warm", int(min(4 * os.path.getsize(os.path.join(hf, "model.safetensors")), avail * 0.6)))
+        run_phase("warm", max(0, int(avail - 2**30)))
         src_file = os.path.join(hf, "model.safetensors")
         model_bytes = os.path.getsize(src_file)
         from nereus.reshard.derive import plan_parameters

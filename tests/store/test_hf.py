@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from nereus.reshard.derive import plan_parameters
 from nereus.store.errors import CheckpointExistsError, ModelMismatchError, StoreError
 from nereus.store.hf import HFCheckpoint, HFWriter, check_against_spec, plan_hf_files, spec_from_hf_config
-from nereus.store.safetensors_io import SafetensorsWriter, plan_header, read_box, read_header, read_tensor
+from nereus.store.safetensors_io import Interleaved, SafetensorsWriter, plan_header, read_box, read_header, read_tensor
 
 from .models import bits, llama_config, qwen2_config, write_hf_model
 
@@ -44,6 +44,23 @@ def test_writer_output_loads_in_the_library(tmp_path):
         assert torch.equal(bits(loaded[n]), bits(t))
     header, _ = plan_header([("x", "float32", (2,))])
     assert (len(header) - 8) % 8 == 0
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2])
+def test_interleaved_runs_write_the_tensor_cut_along_one_dim(tmp_path, cut):
+    """Boxes of a tensor cut along dim ``cut`` (uneven, 3 boxes), written as runs of their
+    bytes, give the tensor; 2,000 rows exceed one writev's IOV_MAX runs."""
+    full = torch.randn(2000, 6, 10).to(torch.bfloat16) if cut else torch.randn(50, 6, 10)
+    sizes = [1, 2, 3] if cut == 1 else ([4, 5, 1] if cut == 2 else [7, 0, 43])
+    boxes = [b.contiguous() for b in full.split(sizes, dim=cut)]
+    rows = full.shape[:cut].numel()
+    parts = tuple(b.reshape(-1).view(torch.uint8) for b in boxes)
+    runs = Interleaved(parts, tuple(p.numel() // rows for p in parts), rows, full.dtype)
+    path = str(tmp_path / "r.safetensors")
+    w = SafetensorsWriter(path, [("t", str(full.dtype)[6:], tuple(full.shape))])
+    w.write("t", runs)
+    w.close()
+    assert torch.equal(bits(load_file(path)["t"]), bits(full))
 
 
 def test_truncated_file_names_the_file_and_tensor(tmp_path):
