@@ -64,6 +64,37 @@ class DecoderSpec:
     def dim_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
+    @classmethod
+    def from_hf_config(cls, config, *, dtype: str | None = None) -> DecoderSpec:
+        """The shapes of a Llama/Qwen2-family HuggingFace ``config.json`` dict (pure).
+
+        Only shapes are read; the head is "value" for ``*ForTokenClassification`` and
+        ``*ForSequenceClassification``, else "lm"; ``dtype`` overrides ``torch_dtype``.
+        Raises ValueError naming the model type or the missing key. The store's converter
+        and the trainer's model both read configs through this.
+        """
+        model_type = config.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"config.json model_type={model_type!r}: only 'llama' and 'qwen2' are supported")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in config:
+                raise ValueError(f"config.json lacks {key!r}")
+        architecture = (config.get("architectures") or ["ForCausalLM"])[0]
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim"),
+            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            head="value" if architecture.endswith(("ForTokenClassification", "ForSequenceClassification")) else "lm",
+            dtype=dtype_name(dtype or config.get("torch_dtype") or config.get("dtype") or "float32"),
+        )
+
 
 # A parameter: (HF name, global shape, sharding kind, layer index or -1, place)
 # place: "first" (embedding), "last" (final norm, heads), "layer".

@@ -25,7 +25,7 @@ from typing import Mapping
 import torch
 
 from nereus.reshard.derive import DecoderSpec, plan_parameters
-from nereus.reshard.layout import DTYPES, dtype_name
+from nereus.reshard.layout import DTYPES
 
 from .errors import CheckpointExistsError, ModelMismatchError, StoreError
 from .safetensors_io import Interleaved, SafetensorsWriter, TensorInfo, map_file, read_box, read_header
@@ -37,35 +37,17 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports carry; 
 
 
 def spec_from_hf_config(config: Mapping, *, dtype: str | None = None) -> DecoderSpec:
-    """The decoder shapes of a Llama/Qwen2-family ``config.json`` (pure).
+    """The decoder shapes of a Llama/Qwen2-family ``config.json`` (``DecoderSpec.from_hf_config``),
+    errors as StoreError.
 
     Only shapes are read: features that change the forward pass but not the parameters
     (RoPE scaling, sliding windows) are accepted, since conversion does not run the model.
-    ``trainer.model.ModelArgs.from_hf_config`` is the strict reader for training; the two
-    agree on every shape (tests/store/test_hf.py checks it).
+    ``trainer.model.ModelArgs.from_hf_config`` is the strict reader for training.
     """
-    model_type = config.get("model_type", "llama")
-    if model_type not in ("llama", "qwen2"):
-        raise StoreError(f"config.json model_type={model_type!r}: only 'llama' and 'qwen2' are supported")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if key not in config:
-            raise StoreError(f"config.json lacks {key!r}")
-    architecture = (config.get("architectures") or ["ForCausalLM"])[0]
-    head = "value" if architecture.endswith(("ForTokenClassification", "ForSequenceClassification")) else "lm"
-    heads = config["num_attention_heads"]
-    return DecoderSpec(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim"),
-        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        head=head,
-        dtype=dtype_name(dtype or config.get("torch_dtype") or config.get("dtype") or "float32"),
-    )
+    try:
+        return DecoderSpec.from_hf_config(config, dtype=dtype)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
 
 
 def hf_config_from_spec(spec: DecoderSpec) -> dict:

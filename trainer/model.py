@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nereus.reshard.derive import DecoderSpec
-from nereus.reshard.layout import DTYPES, dtype_name
+from nereus.reshard.layout import DTYPES
 
 _ARCHITECTURES = {
     ("llama", "lm"): "LlamaForCausalLM",
@@ -95,24 +95,9 @@ class ModelArgs:
         for key, bad in unsupported.items():
             if bad:
                 raise ValueError(f"config key {key!r}={config[key]!r} is not supported by this model")
-        architecture = (config.get("architectures") or ["ForCausalLM"])[0]
-        head = "value" if architecture.endswith(("ForTokenClassification", "ForSequenceClassification")) else "lm"
-        if head == "value" and len(config.get("id2label", {"0": ""})) != 1:
-            raise ValueError(f"{architecture} with {len(config['id2label'])} labels: a value head has one")
-        heads = config["num_attention_heads"]
-        spec = DecoderSpec(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim"),
-            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            head=head,
-            dtype=dtype_name(dtype or config.get("torch_dtype") or config.get("dtype") or "float32"),
-        )
+        spec = DecoderSpec.from_hf_config(config, dtype=dtype)
+        if spec.head == "value" and len(config.get("id2label", {"0": ""})) != 1:
+            raise ValueError(f"{config['architectures'][0]} with {len(config['id2label'])} labels: a value head has one")
         return cls(
             spec=spec,
             rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),

@@ -72,12 +72,20 @@ def test_truncated_file_names_the_file_and_tensor(tmp_path):
         read_header(path)
 
 
-def test_spec_from_config_matches_the_trainer_reader():
-    model = pytest.importorskip("nereus.trainer.model")
-    for config in (llama_config("bfloat16"), qwen2_config()):
-        assert spec_from_hf_config(config) == model.ModelArgs.from_hf_config(config).spec
+def test_spec_from_config_reads_shapes_and_names_what_is_wrong():
     spec = spec_from_hf_config(qwen2_config())
-    assert spec.qkv_bias and spec.tie_embeddings and spec.num_kv_heads == 2
+    assert spec.qkv_bias and spec.tie_embeddings and spec.num_kv_heads == 2 and spec.head == "lm"
+    llama = llama_config("bfloat16")
+    spec = spec_from_hf_config(llama)
+    assert (spec.num_layers, spec.hidden_size, spec.dtype) == (llama["num_hidden_layers"], llama["hidden_size"], "bfloat16")
+    assert not spec.qkv_bias and not spec.tie_embeddings
+    assert spec_from_hf_config({**llama, "architectures": ["LlamaForSequenceClassification"]}).head == "value"
+    # shapes only: RoPE scaling changes the forward, not the parameters (the trainer rejects it)
+    assert spec_from_hf_config({**llama, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == spec
+    with pytest.raises(StoreError, match="model_type='mistral'"):
+        spec_from_hf_config({**llama, "model_type": "mistral"})
+    with pytest.raises(StoreError, match="lacks 'intermediate_size'"):
+        spec_from_hf_config({k: v for k, v in llama.items() if k != "intermediate_size"})
 
 
 @pytest.mark.parametrize("shards", [1, 3])
