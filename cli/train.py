@@ -32,7 +32,7 @@ def train(
 ) -> None:
     """Post-train with PPO or GRPO, each model-stage in its own TP/PP/DP layout."""
     from nereus.launch import launch_local, under_torchrun
-    from nereus.trainer.config import ConfigError, load_config
+    from nereus.trainer.config import ConfigError, load_config, resolve_device
     from nereus.trainer.loop import run_worker
 
     overrides = list(set_)
@@ -42,6 +42,7 @@ def train(
         overrides.append(f"run_dir={run_dir}")
     try:
         cfg = load_config(config or default_config(), overrides)
+        resolve_device(cfg)  # device: cuda needs a GPU per local worker; fail here, before any launch
     except (ConfigError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -580,7 +580,7 @@ def execute_stream(
         arena=staging if staging is not None else StagingArena(_device(src_buffers, dst_buffers)),
         checksums=checksums,
         timeout=timeout,
-        nccl=dist.get_backend(group) == "nccl",
+        nccl=_device(src_buffers, dst_buffers).type == "cuda" and "cuda:nccl" in dist.get_backend_config(group),
         release=release_sources,
         coalesce=coalesce_bytes,
         stats=stats,

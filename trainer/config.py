@@ -177,6 +177,7 @@ class JobConfig:
     algorithm: Literal["ppo", "grpo"] = "ppo"
     steps: int = 40
     nproc: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where model-stages run; see resolve_device
     run_dir: str = "runs/default"
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
     device_memory_gib: float | None = None  # per-rank budget the plan must fit (trainer/memory.py); None: no check
@@ -226,6 +227,31 @@ def decoder_spec(model: ModelConfig, *, head: str = "lm") -> DecoderSpec:
         head=head,
         dtype=model.dtype,
     )
+
+
+def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
+    """``"cuda"`` or ``"cpu"``: where this machine's workers build their model-stages.
+
+    One GPU per worker process (NCCL cannot put two ranks on one GPU); ``local_processes``
+    defaults to ``LOCAL_WORLD_SIZE`` (set by torchrun and the elastic launcher), else
+    ``nproc``. ``auto`` is cuda when CUDA has that many devices, else cpu; ``cuda`` without
+    them is a ConfigError naming the key. An environment check, so not part of ``validate``:
+    a GPU config still loads (and its memory plan checks) on a CPU machine.
+    """
+    import torch
+
+    n = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.device == "cpu" or (cfg.device == "auto" and gpus < n):
+        return "cpu"
+    if gpus == 0:
+        raise ConfigError(f"config key 'device' is 'cuda', but torch {torch.__version__} sees no CUDA device; set device: auto or cpu")
+    if gpus < n:
+        raise ConfigError(
+            f"config key 'device' is 'cuda' with {n} worker processes on this machine, but {gpus} CUDA "
+            f"device{'s' * (gpus > 1)} {'are' if gpus > 1 else 'is'} visible (one GPU per process); lower nproc or set device: cpu"
+        )
+    return "cuda"
 
 
 # --------------------------------------------------------------------------- YAML and building

@@ -20,6 +20,12 @@ One step (all ranks, SPMD):
 5. training: PPO epochs over mini-batches for the actor (and critic), each replica taking its
    rows of every mini-batch; gradients synced over dp inside ``forward_backward``.
 
+Devices: ``device`` in the config (``resolve_device``) puts every model-stage on CPU or on
+this process's GPU (``cuda:LOCAL_RANK``); on CUDA the process group is gloo for CPU tensors
+(object collectives, the reshard agreement) and NCCL for CUDA ones (TP/FSDP/PP, gradient
+sync, the weight sync's point-to-point). The step's batch stays on CPU; stages move their
+rows to their device and gather results back to CPU (``trainer/stages.py``).
+
 Metrics go to ``RUN_DIR/metrics.jsonl`` and TensorBoard from rank 0; checkpoints every
 ``checkpoint_every`` steps through the store, committed atomically, so ``--resume`` restarts
 from the last good step and a failed step (NaN loss) never touches it.
@@ -42,9 +48,9 @@ from nereus.reshard.plan import plan_transfers
 
 from . import grpo, ppo
 from .advantages import kl_k1, masked_mean, minibatch_indices
-from .config import JobConfig
+from .config import JobConfig, resolve_device
 from .generate import generate
-from .metrics import MetricsLog, peak_memory_bytes
+from .metrics import MetricsLog, peak_memory
 from .parallel import init_stage, load_full
 from .stages import ModelStage, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values, train_minibatch
 from .tasks import Task, build_task
@@ -80,12 +86,14 @@ def _params_only(emu):
 
 
 class Trainer:
-    """The model-stages of one job on this rank, and the step function."""
+    """The model-stages of one job on this rank, and the step function; ``device`` (default:
+    ``worker_device(cfg)``) is where every model-stage lives."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, device: torch.device | str | None = None) -> None:
         self.cfg, self.rank = cfg, dist.get_rank()
+        self.device = worker_device(cfg) if device is None else torch.device(device)
         self.task: Task = build_task(cfg.task)
-        self.stages = build_stages(cfg, self.rank)
+        self.stages = build_stages(cfg, self.rank, self.device)
         hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
         for key, stage in self.stages.items():
             if stage.part is not None:  # a vLLM actor.gen has no module: the first sync fills it
@@ -110,6 +118,7 @@ class Trainer:
         start = time.perf_counter()
         for sync in self.syncs:
             sync()
+        _synchronize(self.device)  # the sync's copies and sends are asynchronous on CUDA
         seconds["sync"] = time.perf_counter() - start
 
         t = time.perf_counter()
@@ -146,7 +155,7 @@ class Trainer:
             "stage_seconds": seconds,
             "step_seconds": total,
             "tokens_per_s": float(mask.sum()) / total,
-            "peak_memory_bytes": peak_memory_bytes(),
+            **peak_memory(self.device),
         }
 
     def _rollout(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -165,8 +174,9 @@ class Trainer:
             if gen.engine is not None:
                 out = gen.engine.generate(prompts[lo:hi], seed=seed, **sampling)
             else:
+                rng = torch.Generator(gen.part.device).manual_seed(seed)  # where sample() draws: the model's device
                 with torch.no_grad():
-                    out = generate(gen.part.module, prompts[lo:hi], generator=torch.Generator().manual_seed(seed), **sampling)
+                    out = generate(gen.part.module, prompts[lo:hi], generator=rng, **sampling)
             local = _padded(out, cfg.rollout.max_new_tokens, self.task.pad_id)
         rows = gather_rows(gen, local, b)
         p = rows["tokens"].shape[1] - cfg.rollout.max_new_tokens
@@ -296,17 +306,44 @@ def _mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     return {k: sum(m[k] for m in gathered if k in m) / sum(1 for m in gathered if k in m) for k in keys}
 
 
+def worker_device(cfg: JobConfig) -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` when the config resolves to cuda, else CPU."""
+    if resolve_device(cfg) == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def join_process_group(device: torch.device) -> None:
+    """From the environment: gloo on CPU; on CUDA, this process's GPU made current and one
+    group with gloo for CPU tensors and NCCL for CUDA tensors (``device_id`` forms the NCCL
+    communicator now, on every rank, so that a first point-to-point batch between some ranks
+    does not have to)."""
+    timeout = timedelta(seconds=300)
+    if device.type == "cpu":
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (stage timings are wall time); nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
     """One rank of ``nereus train`` (the process group is initialised from the environment).
 
     Returns the last step's metrics, or ``{"error": message}`` on every rank when the job
     stopped on a non-finite loss (the last committed checkpoint is left as it was).
     """
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    device = worker_device(cfg)
+    join_process_group(device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
     torch.manual_seed(cfg.seed)
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, device)
         try:
             first = trainer.restore() if resume else 0
         except FileNotFoundError as e:  # every rank sees the same store
@@ -316,7 +353,9 @@ def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
         try:
             while trainer.step < cfg.steps:
                 metrics = trainer.run_step()
-                metrics["peak_memory_bytes"] = _gather_peaks(metrics["peak_memory_bytes"])
+                for key in ("peak_memory_bytes", "peak_device_memory_bytes"):
+                    if key in metrics:  # the same keys on every rank: one device type per job
+                        metrics[key] = _gather_peaks(metrics[key])
                 if log:
                     log.write(metrics)
                 last = metrics

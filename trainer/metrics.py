@@ -11,8 +11,19 @@ from typing import Any
 
 
 def peak_memory_bytes() -> int:
-    """This process's peak resident memory so far (Linux ru_maxrss is in KiB)."""
+    """This process's peak resident (host) memory so far (Linux ru_maxrss is in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_memory(device) -> dict[str, int]:
+    """``peak_memory_bytes`` (host RSS) and, on a CUDA ``device``, ``peak_device_memory_bytes``:
+    the most bytes PyTorch's allocator has held for tensors there so far (max_memory_allocated)."""
+    import torch
+
+    out = {"peak_memory_bytes": peak_memory_bytes()}
+    if torch.device(device).type == "cuda":
+        out["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
 
 
 def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:

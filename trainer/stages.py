@@ -13,6 +13,12 @@ Batch split: a stage with dp replicas gives replica d the rows ``tensor_split(B,
 all TP and PP ranks of a replica see the same rows. Results come back to every rank with
 one ``all_gather_object`` per call (the tiny CPU jobs move kilobytes; a GPU job would
 gather tensors instead).
+
+Devices: every stage is built on the job's device (``build_stages(..., device)``: CPU, or
+this process's GPU). The step's batch lives on CPU; a stage moves its rows to its device
+where it consumes them (``infer``, ``train_minibatch``) and ``gather_rows`` brings results
+back to CPU before pickling them (a CUDA tensor in ``all_gather_object`` would be unpickled
+onto the sender's GPU index on every rank).
 """
 
 from __future__ import annotations
@@ -99,8 +105,8 @@ def model_args(cfg: JobConfig, key: str) -> ModelArgs:
     )
 
 
-def build_stages(cfg: JobConfig, rank: int) -> dict[str, ModelStage]:
-    """Every model-stage of the plan; groups for all, modules where this rank belongs."""
+def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu") -> dict[str, ModelStage]:
+    """Every model-stage of the plan; groups for all, modules (on ``device``) where this rank belongs."""
     stages = {}
     for key, sc in cfg.plan.stages().items():
         args = model_args(cfg, key)
@@ -110,7 +116,7 @@ def build_stages(cfg: JobConfig, rank: int) -> dict[str, ModelStage]:
             stages[key] = _vllm_stage(cfg, key, args, config, rank)
             continue
         groups = stage_groups(config, args.spec, rank)
-        part = build_stage(args, config, rank, dp_shard=sc.dp_shard, groups=groups) if groups else None
+        part = build_stage(args, config, rank, dp_shard=sc.dp_shard, device=device, groups=groups) if groups else None
         train = key.endswith(".train")
         stage = ModelStage(key=key, args=args, config=config, dp_shard=sc.dp_shard, part=part)
         stage.emus = derive_emus(args.spec, config, model=key.split(".")[0], stage=key.split(".")[1], optimizer=train, dp_shard=sc.dp_shard)
@@ -178,8 +184,8 @@ def make_optimizer(stage: ModelStage, lr: float) -> None:
 
 
 def gather_rows(stage: ModelStage, local: dict[str, torch.Tensor] | None, batch_size: int) -> dict[str, torch.Tensor]:
-    """Every replica's rows, concatenated in row order, on every rank of the world."""
-    mine = (stage.rows(batch_size)[0], local) if stage.reports else None
+    """Every replica's rows, concatenated in row order, on every rank of the world (on CPU)."""
+    mine = (stage.rows(batch_size)[0], {k: v.cpu() for k, v in local.items()}) if stage.reports else None
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     pieces = sorted((p for p in parts if p is not None), key=lambda p: p[0])
@@ -205,7 +211,7 @@ def infer(stage: ModelStage, batch: dict[str, torch.Tensor], what: str, temperat
     local = None
     if stage.member:
         lo, hi = stage.rows(b)
-        mine = {k: v[lo:hi] for k, v in batch.items()}
+        mine = _my_rows(stage, batch, lo, hi)
         fn = (lambda out, mb: response_logprobs(out, mb, temperature)) if what == "logprobs" else response_values
         local = {"out": forward(stage.part, mine, n_microbatches=_microbatches(stage, hi - lo), output_fn=fn)}
     return gather_rows(stage, local, b)["out"]
@@ -216,7 +222,7 @@ def train_minibatch(stage: ModelStage, batch: dict[str, torch.Tensor], loss_fn, 
     if not stage.member:
         return {}
     lo, hi = stage.rows(batch["input_ids"].shape[0])
-    mine = {k: v[lo:hi] for k, v in batch.items()}
+    mine = _my_rows(stage, batch, lo, hi)
     n = _microbatches(stage, hi - lo)
     metrics: dict[str, float] = {}
 
@@ -245,7 +251,7 @@ def clip_grads(stage: ModelStage, max_norm: float) -> torch.Tensor:
     their total is divided by dp (dp-sharded state is one EMU, counted once).
     """
     grads = stage_grads(stage.part)
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=stage.part.device)
     for name, g in grads.items():
         sq += g.double().pow(2).sum() * stage.norm_weights[name]
     dist.all_reduce(sq, group=stage.group)
@@ -257,6 +263,11 @@ def clip_grads(stage: ModelStage, max_norm: float) -> torch.Tensor:
         for g in grads.values():
             g.mul_(scale)
     return norm
+
+
+def _my_rows(stage: ModelStage, batch: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """Rows [lo, hi) of every batch tensor, on the stage's device."""
+    return {k: v[lo:hi].to(stage.part.device) for k, v in batch.items()}
 
 
 def _microbatches(stage: ModelStage, rows: int) -> int:

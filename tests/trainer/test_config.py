@@ -7,6 +7,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 import yaml
 
 from nereus.reshard.derive import derive_emus
@@ -17,6 +18,7 @@ from nereus.trainer.config import (
     config_to_dict,
     decoder_spec,
     load_config,
+    resolve_device,
 )
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
@@ -236,3 +238,26 @@ def test_config_is_frozen() -> None:
         cfg.seed = 3  # type: ignore[misc]
     assert cfg.batch_size == cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     assert cfg.critic_model == cfg.model
+
+
+def test_device_key_resolves_to_cpu_here() -> None:
+    assert tiny().device == "auto"  # the shipped configs leave it to the machine
+    assert resolve_device(tiny("device=cpu")) == "cpu"
+    assert resolve_device(tiny("device=cpu"), local_processes=10**6) == "cpu"
+    assert resolve_device(tiny(), local_processes=10**6) == "cpu"  # auto: not a GPU per worker, so CPU
+    if not torch.cuda.is_available():
+        assert resolve_device(tiny()) == "cpu"
+    with pytest.raises(ConfigError, match="config key 'device' must be one of 'auto', 'cpu', 'cuda'; got 'tpu'"):
+        tiny("device=tpu")
+
+
+def test_device_cuda_without_a_gpu_per_worker_names_the_key() -> None:
+    cfg = tiny("device=cuda")  # loads anywhere: whether CUDA is there is checked at startup
+    with pytest.raises(ConfigError, match="config key 'device' is 'cuda'"):
+        resolve_device(cfg, local_processes=10**6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message")
+def test_device_cuda_without_cuda_says_so() -> None:
+    with pytest.raises(ConfigError, match=r"config key 'device' is 'cuda', but torch \S+ sees no CUDA device; set device: auto or cpu"):
+        resolve_device(tiny("device=cuda"))

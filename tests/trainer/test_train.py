@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from nereus.cli.app import app
@@ -105,6 +106,32 @@ def test_bad_input_is_a_one_line_error(overrides, message, tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA error")
+def test_device_cuda_without_cuda_is_a_one_line_error(tmp_path):
+    result = runner.invoke(app, ["train", TINY_PPO, "--set", "device=cuda", "--run-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "config key 'device' is 'cuda'" in result.output
+    assert "Traceback" not in result.output
+
+
+# tiny_ppo on one process (every model-stage dp=tp=1); tools/gpu_check.sh runs it with device=cuda.
+ONE_PROCESS_PPO = [
+    "nproc=1", "plan.actor.train.dp=1", "plan.actor.train.tp=1", "plan.actor.gen.dp=1", "plan.critic.train.dp=1",
+    "plan.critic.infer.dp=1", "plan.critic.infer.tp=1", "plan.ref.infer.dp=1", "plan.ref.infer.tp=1",
+]
+
+
+@pytest.mark.timeout(300)
+def test_one_process_job_on_an_explicit_device(tmp_path):
+    sets = [a for o in [*ONE_PROCESS_PPO, "device=cpu", "steps=2"] for a in ("--set", o)]
+    result = train(TINY_PPO, *sets, "--run-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert len(rows[-1]["peak_memory_bytes"]) == 1
+    assert "peak_device_memory_bytes" not in rows[-1]  # CUDA only
+
+
 def test_resume_without_a_checkpoint_says_so(tmp_path):
     result = runner.invoke(app, ["train", TINY_PPO, "--set", "steps=1", "--run-dir", str(tmp_path), "--resume"])
     assert result.exit_code == 1
@@ -116,7 +143,7 @@ def _two_steps(rank, world_size, run_dir, on_policy):
     from nereus.trainer.loop import Trainer
 
     two = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.ref.infer.dp=1"]  # tp2 stay
-    cfg = load_config(TINY_GRPO, [*two, f"run_dir={run_dir}", "grpo.epochs=1", "grpo.minibatch_size=256"])
+    cfg = load_config(TINY_GRPO, [*two, f"run_dir={run_dir}", "grpo.epochs=1", "grpo.minibatch_size=256", "device=cpu"])  # gloo group
     trainer = Trainer(cfg)
     assert trainer.on_policy  # one epoch of one mini-batch, KL as a loss term
     trainer.on_policy = on_policy
