@@ -1,0 +1,190 @@
+"""Benchmark: Nereus GRPO and PPO against TRL's GRPOTrainer and PPO trainer, same workload.
+
+    python tools/bench_train.py [--steps 5] [--warmup 2] [--trl-python PATH] [--out bench_results/train.json]
+
+The workload (``WORKLOAD``; issue 4 §10): a Llama decoder, 4 layers, hidden 256 (4 heads
+of 64, 2 KV heads, SwiGLU 768, vocab 1024), float32, trained from its random init; 32
+completions per optimizer step (GRPO: 8 prompts × 4 samples; PPO: 32 prompts × 1), 16
+prompt tokens, exactly 48 completion tokens (EOS ignored, so both sides generate the
+same number of tokens), temperature 1, one epoch of one mini-batch per step, lr 1e-5.
+GRPO: actor + reference (k3 KL term, β 0.04, TRL's convention) and a rule reward. PPO:
+actor, reference, critic and a reward *model* of the same shape (TRL's PPO trainer needs
+one, so Nereus runs one too), GAE, clipped losses.
+
+Nereus runs through ``nereus train``'s own worker (``trainer.loop.run_worker``, launched
+like the CLI) at 1 and 2 local processes (2: every model-stage dp=2), each with its
+threads = cores / processes; the faster counts. TRL runs in its own virtual environment
+(``tools/trl_setup.sh`` makes it: TRL pins its own transformers, which Nereus does not
+need) through ``tools/trl_workload.py``, single process, at its best thread count.
+
+Each side runs ``--warmup`` steps that are not counted, then ``--steps`` measured steps;
+completion tokens per second = completion tokens per step / median step seconds (both
+sides count the tokens they actually generated). Per-stage seconds are medians over the
+measured steps. Bar: Nereus ≥ 3× TRL's completion tokens/s for both algorithms. The last
+printed line is one JSON object: ``grpo_over_trl``, ``ppo_over_trl`` and the figures
+behind them. The machine is shared and noisy: compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+WORKLOAD = {
+    "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 4,
+    "num_kv_heads": 2, "max_seq_len": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "prompt_len": 16, "new_tokens": 48, "prompts_per_step": 8, "group": 4, "lr": 1e-5, "seed": 0,
+}
+KL_COEF = 0.04
+BAR = 3.0
+
+
+# --------------------------------------------------------------------------- Nereus
+
+
+def nereus_config(algo: str, nproc: int, steps: int, run_dir: str) -> dict:
+    """The job config of the workload: the repeat task with 14 digits gives 16-token prompts."""
+    w = WORKLOAD
+    model = {
+        "vocab_size": w["vocab_size"], "hidden_size": w["hidden_size"], "intermediate_size": w["intermediate_size"],
+        "num_layers": w["num_layers"], "num_heads": w["num_heads"], "num_kv_heads": w["num_kv_heads"],
+        "max_seq_len": w["max_seq_len"], "rope_theta": w["rope_theta"], "rms_norm_eps": w["rms_norm_eps"],
+        "dtype": "float32",
+    }
+    batch = w["prompts_per_step"] * w["group"]
+    layout = {"dp": nproc}
+    cfg = {
+        "seed": w["seed"], "algorithm": algo, "steps": steps, "nproc": nproc, "run_dir": run_dir,
+        "checkpoint_every": 0, "model": model,
+        "task": {"name": "repeat", "digits": w["prompt_len"] - 2, "response_len": 3},
+        "rollout": {
+            "prompts_per_step": w["prompts_per_step"] if algo == "grpo" else batch,
+            "samples_per_prompt": w["group"] if algo == "grpo" else 1,
+            "max_new_tokens": w["new_tokens"], "temperature": 1.0, "ignore_eos": True,
+        },
+        "plan": {"actor": {"train": layout, "gen": layout}, "ref": {"infer": layout}},
+    }
+    hp = {"lr": w["lr"], "kl_coef": KL_COEF, "epochs": 1, "minibatch_size": batch}
+    if algo == "grpo":
+        cfg["grpo"] = hp
+    else:
+        cfg["ppo"] = {**hp, "critic_lr": w["lr"], "kl_in_reward": True}
+        cfg["critic"] = dict(model)
+        cfg["reward_model"] = dict(model)
+        cfg["plan"].update({"critic": {"train": layout, "infer": layout}, "reward": {"infer": layout}})
+    return cfg
+
+
+def run_nereus(algo: str, nproc: int, warmup: int, steps: int) -> dict:
+    """One ``nereus train`` job of warmup + steps steps; the measured steps' figures."""
+    from nereus.launch import launch_local
+    from nereus.trainer.config import load_config
+    from nereus.trainer.loop import run_worker
+
+    with tempfile.TemporaryDirectory(prefix="nereus-bench-train-") as run_dir:
+        cfg = load_config(nereus_config(algo, nproc, warmup + steps, run_dir))
+        last = launch_local(run_worker, nproc, cfg, False, run_id=f"bench-train-{uuid.uuid4().hex[:8]}")[0]
+        if "error" in last:
+            raise RuntimeError(f"nereus {algo} nproc={nproc}: {last['error']}")
+        lines = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    measured = lines[warmup:]
+    batch = cfg.batch_size
+    tokens = [m["response_length"] * batch for m in measured]
+    seconds = [m["step_seconds"] for m in measured]
+    median = statistics.median(seconds)
+    stages = {k: statistics.median(m["stage_seconds"][k] for m in measured) for k in measured[0]["stage_seconds"]}
+    return {
+        "engine": "nereus", "algo": algo, "setting": f"{nproc} proc × {max(1, (os.cpu_count() or 1) // nproc)} threads",
+        "step_seconds": seconds, "step_seconds_median": median,
+        "completion_tokens_per_step": statistics.median(tokens),
+        "completion_tokens_per_s": statistics.median(tokens) / median,
+        "stage_seconds": stages,
+    }
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def default_trl_python() -> Path:
+    return ROOT / ".bench-trl-venv" / "bin" / "python"
+
+
+def run_trl(algo: str, python: Path, warmup: int, steps: int) -> dict:
+    """tools/trl_workload.py in the TRL environment; its last stdout line is its result."""
+    if not python.exists():
+        raise SystemExit(f"no TRL environment at {python}: run `bash tools/trl_setup.sh` first (or pass --trl-python)")
+    workload = json.dumps({**WORKLOAD, "warmup": warmup, "steps": steps})
+    cmd = [str(python), str(ROOT / "tools" / "trl_workload.py"), "--algo", algo, "--workload", workload]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL {algo} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["engine"], result["setting"] = "trl", f"1 proc × {result.get('threads', '?')} threads"
+    return result
+
+
+# --------------------------------------------------------------------------- report
+
+
+def table(rows: list[dict]) -> str:
+    stage_keys = ["generation", "inference", "training", "sync", "other"]
+    head = ["algo", "engine", "setting", "step s", "compl. tok/step", "compl. tok/s", *(f"{k} s" for k in stage_keys)]
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        stages = r.get("stage_seconds") or {}
+        cells = [
+            r["algo"], r["engine"], r["setting"], f"{r['step_seconds_median']:.3f}",
+            f"{r['completion_tokens_per_step']:.0f}", f"{r['completion_tokens_per_s']:.0f}",
+            *(f"{stages[k]:.3f}" if k in stages else "" for k in stage_keys),
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="Nereus process counts to try")
+    parser.add_argument("--algos", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
+    parser.add_argument("--trl-python", type=Path, default=default_trl_python())
+    parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "train.json")
+    args = parser.parse_args()
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the workers' progress bars (inherited by the launcher's children)
+    load = os.getloadavg()[0]
+    if load > 0.5:  # TRL's 2-thread steps slow several-fold when anything else runs (2 cores)
+        print(f"warning: load average {load:.2f} before the run; the machine should be idle", flush=True)
+    rows, headline = [], {"load_average_before": round(load, 2)}
+    for algo in args.algos:
+        trl = run_trl(algo, args.trl_python, args.warmup, args.steps)
+        ours = [run_nereus(algo, n, args.warmup, args.steps) for n in args.nproc]
+        best = max(ours, key=lambda r: r["completion_tokens_per_s"])
+        rows += [trl, *ours]
+        headline[f"{algo}_over_trl"] = round(best["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 3)
+        headline[f"{algo}_nereus_tokens_per_s"] = round(best["completion_tokens_per_s"], 1)
+        headline[f"{algo}_trl_tokens_per_s"] = round(trl["completion_tokens_per_s"], 1)
+
+    print(table(rows))
+    print(f"bar: Nereus >= {BAR}x TRL completion tokens/s; " + ", ".join(
+        f"{a}: {headline[f'{a}_over_trl']:.2f}x ({'met' if headline[f'{a}_over_trl'] >= BAR else 'NOT met'})" for a in args.algos))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"workload": WORKLOAD, "kl_coef": KL_COEF, "runs": rows, **headline}, indent=2))
+    print(f"wrote {args.out}")
+    print(json.dumps(headline))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
