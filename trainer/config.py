@@ -46,6 +46,17 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScalingConfig:
+    """Llama 3.1's RoPE frequency scaling, as its config.json's ``rope_scaling``."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """Decoder shapes (Llama/Qwen2 family). With ``path`` (an HF directory) the weights come
     from there; the sizes are still required, because plans are validated before any file is
@@ -63,6 +74,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig | None = None
     rms_norm_eps: float = 1e-6
     max_seq_len: int = 32
     init_std: float = 0.02  # std of the normal init of matrices (models trained from scratch)

@@ -45,11 +45,13 @@ from nereus.reshard.arrays import arrays_from_plan
 from nereus.reshard.execute import execute
 from nereus.reshard.graph import plan_graph
 from nereus.reshard.plan import plan_transfers
+from nereus.reshard.stream import StagingArena
 
 from . import grpo, ppo
 from .advantages import kl_k1, masked_mean, minibatch_indices
 from .config import JobConfig, resolve_device
 from .generate import generate
+from .model import ModelArgs
 from .metrics import MetricsLog, peak_memory
 from .parallel import init_stage, load_full
 from .stages import ModelStage, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values, train_minibatch
@@ -70,10 +72,14 @@ class WeightSync:
         dst = [_params_only(e) for e in self.dst.emus]
         self.plan = plan_transfers(src, dst)
         self.graph = plan_graph(arrays_from_plan(self.plan))
+        # Host staging is kept across steps (its pages stay touched); CUDA's caching
+        # allocator already reuses blocks, and a kept buffer would sit through training.
+        self.staging = StagingArena("cpu")
 
     def __call__(self) -> None:
-        rank = dist.get_rank()
-        execute(self.plan, self.graph, self.src.param_buffers(), rank=rank, dst_buffers=self.dst.param_buffers())
+        rank, src, dst = dist.get_rank(), self.src.param_buffers(), self.dst.param_buffers()
+        on_host = all(t.device.type == "cpu" for t in (*src.values(), *dst.values()))
+        execute(self.plan, self.graph, src, rank=rank, dst_buffers=dst, staging=self.staging if on_host else None)
 
 
 def _params_only(emu):
@@ -276,7 +282,18 @@ def load_hf(stage: ModelStage, path: str) -> None:
 
     ckpt = HFCheckpoint.open(path)
     check_against_spec(ckpt, stage.args.spec)
+    check_forward_settings(stage.args, ckpt.config, path)
     load_full(stage.part, ckpt.mapped)
+
+
+def check_forward_settings(args: ModelArgs, config: dict, path: str) -> None:
+    """What the config's ``model`` says about the forward (RoPE base and scaling, RMSNorm eps)
+    must be what the checkpoint was trained with: a mismatch computes silently wrong outputs."""
+    hf = ModelArgs.from_hf_config(config)
+    for key in ("rope_theta", "rope_scaling", "rms_norm_eps"):
+        ours, theirs = getattr(args, key), getattr(hf, key)
+        if ours != theirs:
+            raise ValueError(f"model.{key} is {ours!r}, but {path}/config.json has {theirs!r}: set it to match")
 
 
 def _padded(out, width: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,8 @@ Maths, per block (x: [B, T, h], d = head_dim, H query heads, K kv heads, r = H /
 - RMSNorm n(x) = w * x / sqrt(mean(x^2) + eps), computed in float32 and cast back (as HF).
 - RoPE in HF's ``rotate_half`` convention: dimension i is paired with i + d/2 (not with its
   neighbour), rotated by angle ``pos * theta^(-2i/d)``; positions count real tokens only, so
-  a left-padded row starts at position 0 at its first real token.
+  a left-padded row starts at position 0 at its first real token. Llama 3.1's frequency
+  scaling (``Llama3RopeScaling``) when the config has it.
 - GQA: query head j reads kv head ``j // r`` (HF's ``repeat_kv``; here SDPA's ``enable_gqa``,
   which reads the shared heads without copying them).
 - Attention is causal, scale 1/sqrt(d), through ``scaled_dot_product_attention``. Padded keys
@@ -32,6 +33,7 @@ point input treats it as hidden states [B, T, h] and skips the embedding; a stag
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -52,6 +54,43 @@ _ARCHITECTURES = {
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (HF ``rope_type: llama3``). With the original
+    context L, wavelength λ_i = 2π / f_i of frequency f_i: f_i stays when λ_i < L / high,
+    becomes f_i / factor when λ_i > L / low, and in between is blended with
+    s = (L / λ_i − low) / (high − low): (1 − s) · f_i / factor + s · f_i."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        context = self.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        low = torch.where(wavelen > context / self.low_freq_factor, inv_freq / self.factor, inv_freq)
+        s = (context / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        medium = (wavelen >= context / self.high_freq_factor) & (wavelen <= context / self.low_freq_factor)
+        return torch.where(medium, (1 - s) * low / self.factor + s * low, low)
+
+    @classmethod
+    def from_hf(cls, rope: Mapping) -> Llama3RopeScaling:
+        try:
+            return cls(
+                factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            raise ValueError(f"llama3 rope scaling {dict(rope)!r} lacks {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict:
+        return {"rope_type": "llama3", "factor": self.factor, "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelArgs:
     """A decoder: the shapes (``spec``, the same object reshard derives layouts from) plus
     what only the forward needs. ``model_type`` ("llama" | "qwen2") only names the HF family."""
@@ -61,6 +100,7 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     max_seq_len: int = 2048
     model_type: str = "llama"
+    rope_scaling: Llama3RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in ("llama", "qwen2"):
@@ -83,10 +123,14 @@ class ModelArgs:
         if model_type not in ("llama", "qwen2"):
             raise ValueError(f"config model_type={model_type!r}: only 'llama' and 'qwen2' are supported")
         rope = config.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
+        scaling = None
         for key in ("rope_scaling", "rope_parameters"):
             r = config.get(key) or {}
-            if r.get("rope_type", r.get("type", "default")) != "default":
-                raise ValueError(f"config key {key!r}={r!r}: RoPE scaling is not supported by this model")
+            kind = r.get("rope_type", r.get("type", "default"))
+            if kind == "llama3":
+                scaling = Llama3RopeScaling.from_hf(r)
+            elif kind != "default":
+                raise ValueError(f"config key {key!r}={r!r}: RoPE scaling {kind!r} is not supported (default and llama3 are)")
         unsupported = {
             "hidden_act": config.get("hidden_act", "silu") != "silu",
             "use_sliding_window": bool(config.get("use_sliding_window", False)),
@@ -104,6 +148,7 @@ class ModelArgs:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_seq_len=int(config.get("max_position_embeddings", 2048)),
             model_type=model_type,
+            rope_scaling=scaling,
         )
 
     def to_hf_config(self) -> dict:
@@ -127,6 +172,8 @@ class ModelArgs:
         }
         if s.head_dim is not None:
             config["head_dim"] = s.head_dim
+        if self.rope_scaling is not None:
+            config["rope_scaling"] = self.rope_scaling.to_hf()
         if self.model_type == "llama":
             config["attention_bias"] = s.qkv_bias
         else:
@@ -191,11 +238,15 @@ class KVCache:
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+    scaling: Llama3RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, T, d] of angle ``pos * theta^(-2i/d)``, i < d/2, repeated for both halves
-    (HF's layout). Computed in float32 from integer positions, then cast to ``dtype``."""
+    (HF's layout), the frequencies rescaled by ``scaling`` if given. Computed in float32 from
+    integer positions, then cast to ``dtype``."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     angles = position_ids.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -347,7 +398,7 @@ class Decoder(nn.Module):
         else:
             h = body.embed_tokens(input_ids)
         position_ids, mask = self._positions_and_mask(h, position_ids, attention_mask, kv_cache)
-        rope = rope_cos_sin(position_ids, self.args.spec.dim_head, self.args.rope_theta, h.dtype)
+        rope = rope_cos_sin(position_ids, self.args.spec.dim_head, self.args.rope_theta, h.dtype, self.args.rope_scaling)
         for name, layer in body.layers.items():
             h = layer(h, rope, mask, kv_cache, name)
         if kv_cache is not None:

@@ -23,6 +23,7 @@ onto the sender's GPU index on every rank).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,7 @@ from nereus.reshard.derive import derive_emus
 from nereus.reshard.layout import EMU, ParallelConfig
 
 from .config import JobConfig, StageConfig, decoder_spec
-from .model import ModelArgs
+from .model import Llama3RopeScaling, ModelArgs
 from .parallel import StagePart, build_stage, optimizer_buffers, stage_buffers, stage_grads, stage_groups
 from .pipeline import forward, forward_backward
 from .vllm_engine import VLLMEngine, vllm_emus
@@ -100,6 +101,7 @@ def model_args(cfg: JobConfig, key: str) -> ModelArgs:
     return ModelArgs(
         spec=decoder_spec(model, head=head),
         rope_theta=model.rope_theta,
+        rope_scaling=None if model.rope_scaling is None else Llama3RopeScaling.from_hf(dataclasses.asdict(model.rope_scaling)),
         rms_norm_eps=model.rms_norm_eps,
         max_seq_len=model.max_seq_len,
     )

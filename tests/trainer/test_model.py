@@ -1,6 +1,7 @@
 """The decoder: HF names equal reshard's parameter plan, and each piece of maths equals a
 direct float64 reference (transformers is not installed here, so no HF parity run)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -320,7 +321,8 @@ def test_hf_config_value_head_explicit_head_dim_and_transformers5_rope_keys():
     "change, message",
     [
         (dict(model_type="mistral"), "model_type='mistral'"),
-        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'rope_scaling'"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'rope_scaling'.*'yarn' is not supported"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "lacks 'low_freq_factor'"),
         (dict(hidden_act="gelu"), "'hidden_act'='gelu'"),
         (dict(mlp_bias=True), "'mlp_bias'"),
     ],
@@ -328,3 +330,41 @@ def test_hf_config_value_head_explicit_head_dim_and_transformers5_rope_keys():
 def test_hf_config_features_the_model_lacks_are_rejected(change, message):
     with pytest.raises(ValueError, match=message):
         ModelArgs.from_hf_config({**LLAMA, **change})
+
+
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+def test_llama31_rope_scaling_matches_transformers():
+    """Frequencies of Llama-3.1-8B (head_dim 128, theta 5e5): values printed by transformers
+    5.23's ROPE_INIT_FUNCTIONS["llama3"] for the same config (low band / 8, high band kept,
+    the middle blended)."""
+    from nereus.trainer.model import Llama3RopeScaling
+
+    args = ModelArgs.from_hf_config({**LLAMA, "hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 5e5, "rope_scaling": LLAMA31_ROPE})
+    assert args.rope_scaling == Llama3RopeScaling.from_hf(LLAMA31_ROPE)
+    assert ModelArgs.from_hf_config(args.to_hf_config()) == args
+    base = 1.0 / 5e5 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128)
+    scaled = args.rope_scaling.apply(base)
+    transformers = {0: 1.0, 20: 0.016560440883040428, 28: 0.0032114461064338684, 34: 0.0001785077911335975,
+                    40: 3.428102354519069e-05, 63: 3.068925877869333e-07}
+    for i, want in transformers.items():
+        assert scaled[i].item() == pytest.approx(want, rel=1e-6), i
+    assert int((scaled != base).sum()) == 35
+    cos, _ = rope_cos_sin(torch.arange(4)[None], 128, 5e5, torch.float32, args.rope_scaling)
+    plain, _ = rope_cos_sin(torch.arange(4)[None], 128, 5e5, torch.float32)
+    assert not torch.equal(cos, plain) and torch.equal(cos[..., :20], plain[..., :20])
+
+
+def test_loading_refuses_forward_settings_that_differ_from_the_checkpoint():
+    from nereus.trainer.loop import check_forward_settings
+
+    config = {**LLAMA, "rope_theta": 5e5, "rope_scaling": LLAMA31_ROPE}
+    args = ModelArgs.from_hf_config(config)
+    check_forward_settings(args, config, "/models/x")  # the same: fine
+    unscaled = dataclasses.replace(args, rope_scaling=None)
+    with pytest.raises(ValueError, match=r"model.rope_scaling is None, but /models/x/config.json has Llama3RopeScaling"):
+        check_forward_settings(unscaled, config, "/models/x")
+    with pytest.raises(ValueError, match="model.rope_theta is 10000.0"):
+        check_forward_settings(dataclasses.replace(args, rope_theta=1e4), config, "/models/x")
