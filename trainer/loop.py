@@ -54,7 +54,10 @@ from .generate import generate
 from .model import ModelArgs
 from .metrics import MetricsLog, peak_memory
 from .parallel import init_stage, load_full
-from .stages import ModelStage, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values, train_minibatch
+from .stages import (
+    ModelStage, build_stages, gather_rows, infer, make_optimizer, response_entropy, response_logprobs, response_values,
+    train_minibatch,
+)
 from .tasks import Task, build_task
 
 KEEP_CHECKPOINTS = 3
@@ -223,9 +226,10 @@ class Trainer:
         def actor_loss(logits, mb):
             logprobs = response_logprobs(logits, mb, temp)
             old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()  # on-policy: see step 3
+            entropy = response_entropy(logits, mb, temp) if hp.entropy_coef else None
             return ppo.policy_loss(
                 logprobs, old, mb["advantages"], mb["response_mask"], clip=hp.clip,
-                ref_logprobs=mb.get("ref_logprobs"), kl_coef=actor_kl,
+                ref_logprobs=mb.get("ref_logprobs"), kl_coef=actor_kl, entropy=entropy, entropy_coef=hp.entropy_coef,
             )
 
         def critic_loss(values, mb):

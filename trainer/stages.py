@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from nereus.reshard.derive import derive_emus
 from nereus.reshard.layout import EMU, ParallelConfig
 
+from .advantages import entropy_from_logits
 from .config import JobConfig, StageConfig, decoder_spec
 from .model import Llama3RopeScaling, ModelArgs
 from .parallel import StagePart, build_stage, optimizer_buffers, stage_buffers, stage_grads, stage_groups
@@ -199,6 +200,12 @@ def response_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor], tempera
     p = int(mb["prompt_width"][0])
     logits = logits[:, p - 1 : -1].float() / temperature
     return torch.gather(F.log_softmax(logits, dim=-1), 2, mb["input_ids"][:, p:, None]).squeeze(2)
+
+
+def response_entropy(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """H(π(· | s_t)) at each response position, of the distribution sampled from (logits / T)."""
+    p = int(mb["prompt_width"][0])
+    return entropy_from_logits(logits[:, p - 1 : -1].float() / temperature)
 
 
 def response_values(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -4,6 +4,7 @@ Each job runs on 4 local gloo processes through the same launcher the CLI uses.
 """
 
 import json
+import math
 import os
 
 import pytest
@@ -165,3 +166,20 @@ def test_one_update_per_step_skips_the_old_logprob_forward_exactly(tmp_path):
             assert f["actor/loss"] == pytest.approx(s["actor/loss"], abs=1e-6)
         for name in sp:
             assert abs(fp[name] - sp[name]).max() <= 1e-6, name
+
+
+def _entropy_step(rank, world_size, run_dir):
+    from nereus.trainer.loop import Trainer
+
+    two = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.ref.infer.dp=1"]
+    cfg = load_config(TINY_GRPO, [*two, f"run_dir={run_dir}", "grpo.entropy_coef=0.5", "device=cpu"])
+    return Trainer(cfg).run_step()
+
+
+@pytest.mark.timeout(300)
+def test_entropy_coef_adds_the_policy_entropy_bonus(tmp_path):
+    from tests.distributed_harness import run_distributed
+
+    step = run_distributed(_entropy_step, 2, str(tmp_path), timeout=240)[0]
+    # H of the near-uniform initial policy over the 16-token vocabulary: close to log 16
+    assert 0.9 * math.log(16) < step["actor/entropy"] <= math.log(16) + 1e-6
