@@ -13,7 +13,10 @@ of one model-stage while it runs:
   times the layers of the rank's pipeline stage and the micro-batches in flight (1F1B keeps
   up to pp on the first stage); plus fp32 logits ``s·b·V/t·4`` with their softmax copy
   (×2) on the last stage; generation instead holds its KV cache
-  ``2·layers·kv_local·d·b·s`` in the weights' dtype, plus the logits of one step.
+  ``2·layers·kv_local·d·b·s`` in the weights' dtype, plus the logits of one step;
+- the vLLM engine (``rollout.engine: vllm``) sleeps at level 2 outside generation (weights
+  and KV cache freed), and while generating holds ``rollout.gpu_memory_utilization`` of the
+  device (its weights and KV-cache pool): resident 0, transient that share.
 
 The peak takes 10% headroom (the Nereus paper's) before it is compared with the budget.
 Shortcuts: no allocator fragmentation model, no communication buffers, no CUDA context;
@@ -59,6 +62,11 @@ def plan_memory(cfg: JobConfig) -> dict[int, list[StageMemory]]:
             mb = (cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo).minibatch_size
             rows = -(-mb // config.dp)
         layer_ranges = plan_layer_ranges(spec.num_layers, config.pp)
+        if key == "actor.gen" and cfg.rollout.engine == "vllm":
+            share = int(cfg.rollout.gpu_memory_utilization * (cfg.device_memory_gib or 0) * GIB)
+            for rank in config.ranks:  # asleep (level 2) outside generation; its whole share while generating
+                out[rank].append(StageMemory(stage=key, resident=0, transient=share))
+            continue
         for emu in derive_emus(spec, config, model="m", stage="s", optimizer=False, dp_shard=sc.dp_shard):
             for rank in emu.ranks if not sc.dp_shard else config.ranks:
                 weights = sum(b.nbytes for b in local_buffers(emu.tensors, rank).values())

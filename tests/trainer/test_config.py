@@ -261,3 +261,15 @@ def test_device_cuda_without_a_gpu_per_worker_names_the_key() -> None:
 def test_device_cuda_without_cuda_says_so() -> None:
     with pytest.raises(ConfigError, match=r"config key 'device' is 'cuda', but torch \S+ sees no CUDA device; set device: auto or cpu"):
         resolve_device(tiny("device=cuda"))
+
+
+def test_vllm_share_of_the_device_counts_while_it_generates() -> None:
+    """vLLM sleeps outside generation (no resident bytes) and holds its share while running."""
+    from nereus.trainer.memory import GIB, plan_memory
+
+    llama = CONFIGS / "llama3_8b_ppo.yaml"
+    cfg = load_config(llama)
+    gen = [s for s in plan_memory(cfg)[0] if s.stage == "actor.gen"]
+    assert [(s.resident, s.transient) for s in gen] == [(0, int(0.5 * 141 * GIB))]
+    with pytest.raises(ConfigError, match=r"on rank 0: needs 16\d\.\d GiB .* largest model-stage there: actor.gen"):
+        load_config(llama, ["rollout.gpu_memory_utilization=0.95"])
