@@ -211,8 +211,8 @@ class NereusSource:
         layout = self.plan.layouts[key]
         shape = tuple(layout.shape)
         entries = self._entries(name)
-        if not shape or not isinstance(self._reader.fs, LocalFileSystem):
-            return None
+        if not shape or not math.prod(shape) or not isinstance(self._reader.fs, LocalFileSystem):
+            return None  # 0-d and empty tensors: nothing to gain
         cut = [d for d in range(len(shape)) if any(e.lengths[d] != shape[d] for e in entries)] or [0]
         if len(cut) > 1:
             return None
