@@ -95,6 +95,30 @@ class DecoderSpec:
             dtype=dtype_name(dtype or config.get("torch_dtype") or config.get("dtype") or "float32"),
         )
 
+    def to_hf_config(self, model_type: str = "llama") -> dict:
+        """The shape keys of a ``config.json`` (``from_hf_config`` of it gives back ``self``);
+        the trainer's ``ModelArgs.to_hf_config`` adds what only the forward needs."""
+        family = {"llama": "Llama", "qwen2": "Qwen2"}[model_type]
+        config = {
+            "architectures": [family + ("ForTokenClassification" if self.head == "value" else "ForCausalLM")],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "tie_word_embeddings": self.tie_embeddings,
+            "torch_dtype": self.dtype,
+        }
+        if self.head_dim is not None:
+            config["head_dim"] = self.head_dim
+        if model_type == "llama":  # Qwen2 always has q/k/v biases
+            config["attention_bias"] = self.qkv_bias
+        if self.head == "value":
+            config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+        return config
+
 
 # A parameter: (HF name, global shape, sharding kind, layer index or -1, place)
 # place: "first" (embedding), "last" (final norm, heads), "layer".

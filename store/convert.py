@@ -44,7 +44,7 @@ from nereus.reshard.staged import StagedLoadPlanner, StagedReader
 from .checkpoint import CheckpointStore, build_manifest, checkpoint_layouts, normalize_root, qualify
 from .dcp_io import BoxSavePlanner, BoxWriter, Scratch, all_boxes, dcp_save, unwrap
 from .errors import CheckpointExistsError, ModelMismatchError, StoreError
-from .hf import HFCheckpoint, HFWriter, check_against_spec, hf_config_from_spec, is_hf_dir, spec_from_hf_config
+from .hf import HFCheckpoint, HFWriter, check_against_spec, is_hf_dir, spec_from_hf_config
 from .checksum import block_checksums
 from .records import Manifest
 from .safetensors_io import Interleaved, map_file
@@ -328,7 +328,7 @@ def convert_to_hf(source, dst: str, *, dtype: str | None, overwrite: bool, progr
     entries = [(name, dtype or dtype_name(source.shape(name)[1]), tuple(shape)) for name, shape, _, _ in plan_parameters(spec)]
     if on_total:
         on_total(sum(math.prod(s) * DTYPES[d].itemsize for _, d, s in entries))
-    config = dict(source.config or hf_config_from_spec(spec))
+    config = dict(source.config or spec.to_hf_config())
     config["torch_dtype"] = spec.dtype
     writer = HFWriter(dst, entries, config, overwrite=overwrite, max_shard_bytes=max_shard_bytes, sync=sync)
     total = 0

@@ -50,26 +50,6 @@ def spec_from_hf_config(config: Mapping, *, dtype: str | None = None) -> Decoder
         raise StoreError(str(e)) from None
 
 
-def hf_config_from_spec(spec: DecoderSpec) -> dict:
-    """A minimal Llama ``config.json`` for a spec (used when no config was carried along)."""
-    config = {
-        "architectures": ["LlamaForTokenClassification" if spec.head == "value" else "LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "attention_bias": spec.qkv_bias,
-        "tie_word_embeddings": spec.tie_embeddings,
-        "torch_dtype": spec.dtype,
-    }
-    if spec.head_dim is not None:
-        config["head_dim"] = spec.head_dim
-    return config
-
-
 def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX))
 

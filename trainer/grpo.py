@@ -49,27 +49,6 @@ def group_advantages(
     return adv.flatten(), metrics
 
 
-def grpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip: float,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-) -> tuple[Tensor, dict[str, float]]:
-    """The GRPO loss for one mini-batch; ``advantages`` is [B] (from group_advantages) or [B, T]."""
-    return policy_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        clip=clip,
-        ref_logprobs=ref_logprobs,
-        kl_coef=kl_coef,
-        entropy=entropy,
-        entropy_coef=entropy_coef,
-    )
+# The GRPO loss for one mini-batch is PPO's clipped surrogate with the k3 KL term (module
+# docstring); ``advantages`` may be [B] (from group_advantages) or [B, T].
+grpo_loss = policy_loss

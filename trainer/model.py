@@ -45,13 +45,6 @@ from torch import nn
 from nereus.reshard.derive import DecoderSpec
 from nereus.reshard.layout import DTYPES
 
-_ARCHITECTURES = {
-    ("llama", "lm"): "LlamaForCausalLM",
-    ("qwen2", "lm"): "Qwen2ForCausalLM",
-    ("llama", "value"): "LlamaForTokenClassification",
-    ("qwen2", "value"): "Qwen2ForTokenClassification",
-}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Llama3RopeScaling:
@@ -153,33 +146,12 @@ class ModelArgs:
 
     def to_hf_config(self) -> dict:
         """The HuggingFace ``config.json`` dict; ``from_hf_config`` of it gives back ``self``."""
-        s = self.spec
-        config = {
-            "architectures": [_ARCHITECTURES[self.model_type, s.head]],
-            "model_type": self.model_type,
-            "vocab_size": s.vocab_size,
-            "hidden_size": s.hidden_size,
-            "intermediate_size": s.intermediate_size,
-            "num_hidden_layers": s.num_layers,
-            "num_attention_heads": s.num_heads,
-            "num_key_value_heads": s.num_kv_heads,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_seq_len,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "tie_word_embeddings": s.tie_embeddings,
-            "torch_dtype": s.dtype,
-        }
-        if s.head_dim is not None:
-            config["head_dim"] = s.head_dim
+        config = self.spec.to_hf_config(self.model_type)
+        config.update(hidden_act="silu", max_position_embeddings=self.max_seq_len, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta)
         if self.rope_scaling is not None:
             config["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.model_type == "llama":
-            config["attention_bias"] = s.qkv_bias
-        else:
+        if self.model_type == "qwen2":
             config["use_sliding_window"] = False
-        if s.head == "value":
-            config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
         return config
 
 

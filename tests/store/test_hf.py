@@ -82,6 +82,9 @@ def test_spec_from_config_reads_shapes_and_names_what_is_wrong():
     assert spec_from_hf_config({**llama, "architectures": ["LlamaForSequenceClassification"]}).head == "value"
     # shapes only: RoPE scaling changes the forward, not the parameters (the trainer rejects it)
     assert spec_from_hf_config({**llama, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == spec
+    for config, family in ((llama, "llama"), (qwen2_config(), "qwen2")):  # the inverse, with the shape keys
+        spec = spec_from_hf_config(config)
+        assert spec_from_hf_config(spec.to_hf_config(family)) == spec
     with pytest.raises(StoreError, match="model_type='mistral'"):
         spec_from_hf_config({**llama, "model_type": "mistral"})
     with pytest.raises(StoreError, match="lacks 'intermediate_size'"):

@@ -139,12 +139,15 @@ def test_resume_without_a_checkpoint_says_so(tmp_path):
     assert "no committed checkpoint" in result.output
 
 
+# tiny_grpo on 2 processes: actor.train dp2, actor.gen and ref.infer tp2 (two layouts still)
+TWO_PROCS = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.ref.infer.dp=1"]
+
+
 def _two_steps(rank, world_size, run_dir, on_policy):
     """Two GRPO steps of one update each; the shortcut on or forced off (old log-probs computed)."""
     from nereus.trainer.loop import Trainer
 
-    two = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.ref.infer.dp=1"]  # tp2 stay
-    cfg = load_config(TINY_GRPO, [*two, f"run_dir={run_dir}", "grpo.epochs=1", "grpo.minibatch_size=256", "device=cpu"])  # gloo group
+    cfg = load_config(TINY_GRPO, [*TWO_PROCS, f"run_dir={run_dir}", "grpo.epochs=1", "grpo.minibatch_size=256", "device=cpu"])  # gloo group
     trainer = Trainer(cfg)
     assert trainer.on_policy  # one epoch of one mini-batch, KL as a loss term
     trainer.on_policy = on_policy
@@ -171,8 +174,7 @@ def test_one_update_per_step_skips_the_old_logprob_forward_exactly(tmp_path):
 def _entropy_step(rank, world_size, run_dir):
     from nereus.trainer.loop import Trainer
 
-    two = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.ref.infer.dp=1"]
-    cfg = load_config(TINY_GRPO, [*two, f"run_dir={run_dir}", "grpo.entropy_coef=0.5", "device=cpu"])
+    cfg = load_config(TINY_GRPO, [*TWO_PROCS, f"run_dir={run_dir}", "grpo.entropy_coef=0.5", "device=cpu"])
     return Trainer(cfg).run_step()
 
 
