@@ -76,9 +76,10 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits [B, V] and its log-prob, as the module docstring states.
 
-    Sampling uses the exponential-race form of the categorical draw: argmax(p / E) with
-    E = -log U ~ Exp(1) i.i.d. (U uniform) picks index i with probability p_i. It draws B * V numbers every step
-    whatever the logits, so two runs from one seed (with and without the cache) stay in step.
+    Sampling inverts the CDF: with c = cumsum(p) and one uniform U per row, the token is
+    the first i with c_i > U · c_V, which is i with probability p_i (tokens cut by top-p have
+    p_i = 0 and are never picked). It draws exactly B numbers every step whatever the
+    logits, so two runs from one seed (with and without the cache) stay in step.
     """
     logits = logits.float()
     if temperature == 0:
@@ -91,8 +92,9 @@ def sample(
             sorted_p, order = probs.sort(-1, descending=True)
             outside = sorted_p.cumsum(-1) - sorted_p > top_p  # the most likely token is always kept
             probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
-        race = torch.rand(probs.shape, generator=generator, device=probs.device).log_().neg_()  # Exp(1)
-        tokens = (probs / race).argmax(-1)
+        cdf = probs.cumsum(-1)
+        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 

@@ -213,25 +213,24 @@ def rope_cos_sin(
     position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
     scaling: Llama3RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, T, d] of angle ``pos * theta^(-2i/d)``, i < d/2, repeated for both halves
-    (HF's layout), the frequencies rescaled by ``scaling`` if given. Computed in float32 from
-    integer positions, then cast to ``dtype``."""
+    """The rotation of angle ``pos * theta^(-2i/d)``, i < d/2, as ``apply_rope`` takes it:
+    cos and a signed sin, each [B, 1, T, d] (broadcast over heads). cos repeats the d/2
+    angles for both halves (HF's layout); the signed sin is ``[-sin, sin]``, which folds
+    ``rotate_half``'s negation into the table. Computed in float32 from integer positions
+    (frequencies rescaled by ``scaling`` if given), then cast to ``dtype``."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
     if scaling is not None:
         inv_freq = scaling.apply(inv_freq)
-    angles = position_ids.float()[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    angles = position_ids.float()[:, None, :, None] * inv_freq
+    sin = angles.sin()
+    return torch.cat([angles, angles], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, d] by the angles of cos, sin [B, T, d]."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, heads, T, d] by ``rope_cos_sin``'s tables: HF's
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin = roll(x, d/2) * [-sin, sin]``
+    (three kernels instead of seven; one decode step runs this 2 × layers times)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 def attention_mask_4d(key_mask: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
@@ -250,7 +249,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused op, float32 as HF's
+        if x.dtype == torch.float32:  # HF's order of operations; one call instead of four
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # normalised in float32, as HF
         return self.weight * h.to(x.dtype)
 
 
@@ -273,7 +274,8 @@ class Attention(nn.Module):
         kv_cache: KVCache | None,
         layer: str,
     ) -> torch.Tensor:
-        """x [B, T, h]; mask bool [B, 1, T, S] or None for plain causal attention over x."""
+        """x [B, T, h]; mask bool [B, 1, T, S], an additive float mask [B, 1, 1, S] for one
+        decode step, or None for plain causal attention over x."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -281,8 +283,21 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
+        if t == 1 and mask is not None and mask.is_floating_point():
+            return self.o_proj(_decode_attention(q, k, v, mask).view(b, 1, -1))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """One query per row: q [B, H, 1, d] over k, v [B, K, S, d] with an additive mask
+    ``bias`` [B, 1, 1, S]; returns [B, H, d] in head order. The r = H / K query heads of a
+    kv head form the rows of one small matmul (GQA without copying k or v); for one query
+    this is about twice as fast as SDPA's flash kernel on CPU."""
+    b, h, _, d = q.shape
+    grouped = q.view(b, k.shape[1], h // k.shape[1], d)  # head j -> kv head j // r
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).mul_(d**-0.5).add_(bias)
+    return torch.matmul(scores.softmax(-1), v).view(b, h, d)
 
 
 class MLP(nn.Module):
@@ -408,7 +423,10 @@ class Decoder(nn.Module):
             keys = kv_cache.key_mask[:, : start + t]
         if position_ids is None:
             position_ids = (seen + real.long().cumsum(1) - 1).clamp(min=0)
-        return position_ids, attention_mask_4d(keys, start, t)
+        mask = attention_mask_4d(keys, start, t)
+        if kv_cache is not None and t == 1:  # a decode step: the additive form, built once for every layer
+            mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        return position_ids, mask
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Decoder:

@@ -5,7 +5,7 @@ teacher-forced forward over the rollout."""
 import pytest
 import torch
 
-from nereus.trainer.generate import Rollout, generate, generate_no_cache, left_pad
+from nereus.trainer.generate import Rollout, generate, generate_no_cache, left_pad, sample
 
 from .test_model import make_model
 
@@ -121,3 +121,27 @@ def test_bad_arguments_are_rejected(model):
         generate(model, torch.ones(2, 3, dtype=torch.long), pad_id=PAD, max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p"):
         generate(model, [[1]], pad_id=PAD, max_new_tokens=2, top_p=0.0)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_sampled_frequencies_match_the_nucleus_distribution(top_p):
+    """200,000 draws from 5 fixed distributions: each token's frequency is within 5 standard
+    errors of its (top-p renormalised) probability, and tokens outside the nucleus never occur."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 12) * 1.5
+    probs = torch.softmax(logits / 0.8, -1)
+    if top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p <= top_p)
+        probs = torch.where(keep, probs, 0.0)
+        probs /= probs.sum(-1, keepdim=True)
+    n, g = 200_000, seeded(7)
+    counts = torch.zeros_like(probs)
+    for _ in range(n // 1000):
+        tokens, logp = sample(logits.repeat_interleave(1000, 0), 0.8, top_p, g)
+        counts.scatter_add_(1, tokens.view(5, 1000), torch.ones(5, 1000))
+        torch.testing.assert_close(logp.view(5, 1000), torch.log_softmax(logits / 0.8, -1).gather(1, tokens.view(5, 1000)))
+    freq = counts / n
+    stderr = (probs * (1 - probs) / n).sqrt()
+    assert ((freq - probs).abs() <= 5 * stderr + 1e-9).all(), (freq - probs).abs().max()
+    assert (counts[probs == 0] == 0).all()
