@@ -177,10 +177,10 @@ def _decode(
         done = done | torch.isin(token, stops)
         if step == max_new_tokens - 1 or bool(done.all()):
             break
-        tokens, real = torch.cat([tokens, token[:, None]], 1), torch.cat([real, alive[:, None]], 1)
         if cache is not None:
             logits = model(token[:, None], attention_mask=alive[:, None], kv_cache=cache)[:, -1]
         else:
+            tokens, real = torch.cat([tokens, token[:, None]], 1), torch.cat([real, alive[:, None]], 1)
             logits = model(tokens, attention_mask=real)[:, -1]
 
     response_mask = torch.stack(alive_cols, 1)
