@@ -20,9 +20,17 @@ need) through ``tools/trl_workload.py``, single process, at its best thread coun
 Each side runs ``--warmup`` steps that are not counted, then ``--steps`` measured steps;
 completion tokens per second = completion tokens per step / median step seconds (both
 sides count the tokens they actually generated). Per-stage seconds are medians over the
-measured steps. Bar: Nereus ≥ 3× TRL's completion tokens/s for both algorithms. The last
-printed line is one JSON object: ``grpo_over_trl``, ``ppo_over_trl`` and the figures
-behind them. The machine is shared and noisy: compare the ratios of one run.
+measured steps. Bar: Nereus ≥ 3× TRL's completion tokens/s for both algorithms.
+
+The floor row (``compute_floor``) is what the workload's linear-layer matmuls alone take on
+this machine: every matmul shape of generation, inference and training timed in the same
+run, at all cores. No fp32 implementation of the same algorithm can step faster, so its
+tokens/s over TRL's (``{algo}_floor_over_trl``) is the most any of them could reach over
+TRL here; when it is below 3 the bar cannot be met on this machine.
+
+The last printed line is one JSON object: ``grpo_over_trl``, ``ppo_over_trl``, the floor
+figures and the figures behind them. The machine is shared and noisy: compare the ratios
+of one run.
 """
 
 from __future__ import annotations
@@ -134,6 +142,71 @@ def run_trl(algo: str, python: Path, warmup: int, steps: int) -> dict:
     return result
 
 
+# --------------------------------------------------------------------------- floor
+
+
+def layer_shapes(w: dict) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer of the decoder's blocks, in order."""
+    h, i, d = w["hidden_size"], w["intermediate_size"], w["hidden_size"] // w["num_heads"]
+    q, kv = w["num_heads"] * d, w["num_kv_heads"] * d
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)] * w["num_layers"]
+
+
+def matmul_seconds(m: int, k: int, n: int, threads: int, kind: str) -> float:
+    """Median seconds of one fp32 matmul of the given pass at this machine's speed:
+    ``fwd`` y = x Wᵀ (x [m, k], W [n, k]); ``dgrad`` g W (g [m, n]); ``wgrad`` gᵀ x."""
+    import torch
+    import torch.utils.benchmark as tb
+
+    x, weight, g = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+    stmt = {"fwd": "F.linear(x, weight)", "dgrad": "g @ weight", "wgrad": "g.t() @ x"}[kind]
+    timer = tb.Timer(stmt, globals={"F": torch.nn.functional, "x": x, "weight": weight, "g": g}, num_threads=threads)
+    return timer.blocked_autorange(min_run_time=0.05).median
+
+
+def compute_floor(algo: str, threads: int) -> dict:
+    """Seconds per step that the workload's linear-layer matmuls alone take here, timed shape
+    by shape in this run at ``threads`` threads: a lower bound for any fp32 implementation
+    of the same algorithm (attention, norms, sampling, optimizer and dispatch not counted).
+
+    Per step (B completions, P prompt and N completion tokens, T = P + N):
+    generation = a prefill of B·P tokens through the layers plus the LM head on the last
+    prompt token (M = B), and N − 1 decode steps of B tokens with the head; inference = one
+    forward of B·T tokens through the layers, with the head on the B·N scored positions, per
+    forward model (GRPO: the reference; PPO: the actor's old log-probs, the reference, the
+    critic and the reward model, the last two without the LM head); training = forward plus
+    both backward matmuls (input and weight gradients) per trained model (PPO: actor and
+    critic).
+    """
+    w = WORKLOAD
+    b, p, n = w["prompts_per_step"] * w["group"], w["prompt_len"], w["new_tokens"]
+    timed: dict = {}
+
+    def seconds(m: int, k: int, out: int, kinds: tuple[str, ...]) -> float:
+        for kind in kinds:
+            if (m, k, out, kind) not in timed:
+                timed[m, k, out, kind] = matmul_seconds(m, k, out, threads, kind)
+        return sum(timed[m, k, out, kind] for kind in kinds)
+
+    def layers(m: int, kinds: tuple[str, ...] = ("fwd",)) -> float:
+        return sum(seconds(m, k, out, kinds) for k, out in layer_shapes(w))
+
+    def head(m: int, kinds: tuple[str, ...] = ("fwd",)) -> float:
+        return seconds(m, w["hidden_size"], w["vocab_size"], kinds)
+
+    train = ("fwd", "dgrad", "wgrad")
+    generation = layers(b * p) + head(b) + (n - 1) * (layers(b) + head(b))
+    lm_forward, value_forward = layers(b * (p + n)) + head(b * n), layers(b * (p + n))
+    lm_train, value_train = layers(b * (p + n), train) + head(b * n, train), layers(b * (p + n), train)
+    if algo == "grpo":
+        stages = {"generation": generation, "inference": lm_forward, "training": lm_train}
+    else:
+        stages = {"generation": generation, "inference": 2 * lm_forward + 2 * value_forward, "training": lm_train + value_train}
+    return {"engine": "floor", "algo": algo, "setting": f"linear matmuls only, {threads} threads",
+            "step_seconds_median": sum(stages.values()), "completion_tokens_per_step": b * n,
+            "completion_tokens_per_s": b * n / sum(stages.values()), "stage_seconds": stages}
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -171,14 +244,19 @@ def main() -> int:
         trl = run_trl(algo, args.trl_python, args.warmup, args.steps)
         ours = [run_nereus(algo, n, args.warmup, args.steps) for n in args.nproc]
         best = max(ours, key=lambda r: r["completion_tokens_per_s"])
-        rows += [trl, *ours]
+        floor = compute_floor(algo, threads=os.cpu_count() or 1)
+        rows += [trl, *ours, floor]
         headline[f"{algo}_over_trl"] = round(best["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 3)
         headline[f"{algo}_nereus_tokens_per_s"] = round(best["completion_tokens_per_s"], 1)
         headline[f"{algo}_trl_tokens_per_s"] = round(trl["completion_tokens_per_s"], 1)
+        headline[f"{algo}_floor_s"] = round(floor["step_seconds_median"], 4)
+        headline[f"{algo}_floor_over_trl"] = round(floor["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 3)
 
     print(table(rows))
     print(f"bar: Nereus >= {BAR}x TRL completion tokens/s; " + ", ".join(
         f"{a}: {headline[f'{a}_over_trl']:.2f}x ({'met' if headline[f'{a}_over_trl'] >= BAR else 'NOT met'})" for a in args.algos))
+    print("ceiling: the floor's tokens/s over TRL's, the most any fp32 implementation could reach here; " + ", ".join(
+        f"{a}: {headline[f'{a}_floor_over_trl']:.2f}x" for a in args.algos))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"workload": WORKLOAD, "kl_coef": KL_COEF, "runs": rows, **headline}, indent=2))
     print(f"wrote {args.out}")
