@@ -198,14 +198,20 @@ def gather_rows(stage: ModelStage, local: dict[str, torch.Tensor] | None, batch_
 def response_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     """log π(a_t | s_t) of the response tokens: logits at positions P-1..T-2 score tokens P..T-1."""
     p = int(mb["prompt_width"][0])
-    logits = logits[:, p - 1 : -1].float() / temperature
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, mb["input_ids"][:, p:, None]).squeeze(2)
+    logp = F.log_softmax(_response_logits(logits, p, temperature), dim=-1)
+    return torch.gather(logp, 2, mb["input_ids"][:, p:, None]).squeeze(2)
 
 
 def response_entropy(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     """H(π(· | s_t)) at each response position, of the distribution sampled from (logits / T)."""
-    p = int(mb["prompt_width"][0])
-    return entropy_from_logits(logits[:, p - 1 : -1].float() / temperature)
+    return entropy_from_logits(_response_logits(logits, int(mb["prompt_width"][0]), temperature))
+
+
+def _response_logits(logits: torch.Tensor, p: int, temperature: float) -> torch.Tensor:
+    """The logits [B, N, V] at positions P-1..T-2, which score the response tokens, in
+    float32 and divided by the temperature (no copy of the block at T = 1)."""
+    logits = logits[:, p - 1 : -1].float()
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def response_values(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
