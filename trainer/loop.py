@@ -9,7 +9,9 @@ One step (all ranks, SPMD):
 2. generation: each ``actor.gen`` replica samples responses for its share of the prompts
    (the step's prompts and the replica's sampling seed are the same on all its TP ranks),
    with the built-in generator or the vLLM engine (``trainer/vllm_engine.py``);
-3. inference: rewards from the task; old log-probs (``actor.train``), reference log-probs
+3. inference: rewards, from the task's rule or, with a ``reward_model``, from ``reward.infer``
+   (its value at each sequence's last real token; the task's own reward is then logged as
+   ``task_reward_mean``); old log-probs (``actor.train``), reference log-probs
    (``ref.infer``) and values (``critic.infer``, synced from ``critic.train``). When the
    step makes exactly one update (one epoch of one mini-batch) and nothing before training
    reads the old log-probs (GRPO, or PPO with the KL as a loss term), π_old = π_θ at that
@@ -106,8 +108,11 @@ class Trainer:
         hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
         for key, stage in self.stages.items():
             if stage.part is not None:  # a vLLM actor.gen has no module: the first sync fills it
-                _, model, _ = cfg.stage_model(key)
-                if model.path and stage.args.spec.head == "lm":
+                source, model, head = cfg.stage_model(key)
+                # A value-head model loads its own checkpoint (critic:/reward_model: with a path,
+                # a *ForSequenceClassification directory); a critic sharing the actor's
+                # ``model`` starts from init, as the actor's LM checkpoint has no value head.
+                if model.path and (head == "lm" or source != "model"):
                     load_hf(stage, model.path)
                 else:
                     init_stage(stage.part, seed=cfg.seed + (1 if key.startswith("critic") else 0), std=model.init_std)
@@ -136,6 +141,9 @@ class Trainer:
 
         t = time.perf_counter()
         temp = cfg.rollout.temperature
+        task_scores = scores
+        if "reward.infer" in self.stages:
+            scores = infer(self.stages["reward.infer"], batch, "scores")
         if not self.on_policy:
             batch["old_logprobs"] = infer(self.stages["actor.train"], batch, "logprobs", temp)
         if "ref.infer" in self.stages:
@@ -157,6 +165,7 @@ class Trainer:
         return {
             "step": self.step,
             "reward_mean": float(scores.mean()),
+            **({"task_reward_mean": float(task_scores.mean())} if scores is not task_scores else {}),
             "kl": float(kl),
             "response_length": float(mask.sum(1).float().mean()),
             **train_metrics,

@@ -220,14 +220,29 @@ def response_values(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.
     return values[:, p - 1 : -1].float()
 
 
+def sequence_scores(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A reward model's score of each sequence [B]: its value at the sequence's last real
+    token (HF's ``*ForSequenceClassification`` pooling; rows are left-padded prompts
+    followed by right-padded responses)."""
+    real = mb["attention_mask"].bool()
+    last = (real.long() * torch.arange(real.shape[1], device=real.device)).argmax(1)
+    return values.float().gather(1, last[:, None]).squeeze(1)
+
+
 def infer(stage: ModelStage, batch: dict[str, torch.Tensor], what: str, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs (``what="logprobs"``) or values of every row, computed by the stage's replicas."""
+    """Per row, computed by the stage's replicas: ``what="logprobs"`` [B, N] of the response
+    tokens, ``"values"`` [B, N] before each response token, or ``"scores"`` [B], a reward
+    model's score of the whole sequence."""
     b = batch["input_ids"].shape[0]
     local = None
     if stage.member:
         lo, hi = stage.rows(b)
         mine = _my_rows(stage, batch, lo, hi)
-        fn = (lambda out, mb: response_logprobs(out, mb, temperature)) if what == "logprobs" else response_values
+        fn = {
+            "logprobs": lambda out, mb: response_logprobs(out, mb, temperature),
+            "values": response_values,
+            "scores": sequence_scores,
+        }[what]
         local = {"out": forward(stage.part, mine, n_microbatches=_microbatches(stage, hi - lo), output_fn=fn)}
     return gather_rows(stage, local, b)["out"]
 

@@ -185,3 +185,51 @@ def test_entropy_coef_adds_the_policy_entropy_bonus(tmp_path):
     step = run_distributed(_entropy_step, 2, str(tmp_path), timeout=240)[0]
     # H of the near-uniform initial policy over the 16-token vocabulary: close to log 16
     assert 0.9 * math.log(16) < step["actor/entropy"] <= math.log(16) + 1e-6
+
+
+def _reward_model_step(rank, world_size, run_dir, rm_dir):
+    """One PPO step on 2 processes scored by a reward model loaded from an HF directory
+    (reward.infer tp2: the scores cross a TP layout), with the batch and scores it used."""
+    from nereus.trainer.loop import Trainer
+
+    rm = "{path: %s, hidden_size: 64, intermediate_size: 192, num_layers: 2, num_heads: 4, num_kv_heads: 2}" % rm_dir
+    two = [o.replace("=1", "=2") if ".dp=" in o or o.startswith("nproc") else o for o in ONE_PROCESS_PPO]  # all dp=2
+    cfg = load_config(TINY_PPO, [*two, f"run_dir={run_dir}", "device=cpu", f"reward_model={rm}", "plan.reward.infer.tp=2"])
+    trainer = Trainer(cfg)
+    seen = {}
+    advantages = trainer._advantages
+
+    def spy(batch, scores):
+        seen.update(batch={k: v.clone() for k, v in batch.items()}, scores=scores.clone())
+        return advantages(batch, scores)
+
+    trainer._advantages = spy
+    step = trainer.run_step()
+    return step, seen
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_model_scores_each_sequence_at_its_last_real_token(tmp_path):
+    from tests.distributed_harness import run_distributed
+    from tests.store.models import llama_config, write_hf_model
+
+    from nereus.trainer.model import ModelArgs, build_model
+
+    config = llama_config(
+        architectures=["LlamaForSequenceClassification"], vocab_size=16, hidden_size=64, intermediate_size=192,
+        num_hidden_layers=2, max_position_embeddings=32,
+    )
+    weights = write_hf_model(tmp_path / "rm", config, seed=3)
+    step, seen = run_distributed(_reward_model_step, 2, str(tmp_path / "run"), str(tmp_path / "rm"), timeout=240)[0]
+
+    model = build_model(ModelArgs.from_hf_config(config), device="cpu")
+    model.load_state_dict(weights)
+    batch = seen["batch"]
+    with torch.no_grad():
+        values = model(batch["input_ids"], attention_mask=batch["attention_mask"].bool())
+    real = batch["attention_mask"].bool()
+    last = torch.tensor([int(row.nonzero().max()) for row in real])
+    expected = values[torch.arange(len(last)), last]
+    torch.testing.assert_close(seen["scores"], expected, atol=1e-4, rtol=1e-4)  # tp2 vs one process; N(0, 1) weights
+    assert step["reward_mean"] == pytest.approx(float(seen["scores"].mean()), abs=1e-6)
+    assert 0.0 <= step["task_reward_mean"] <= 1.0 and step["task_reward_mean"] != step["reward_mean"]
