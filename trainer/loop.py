@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -55,7 +55,7 @@ from .config import JobConfig, resolve_device
 from .generate import generate
 from .model import ModelArgs
 from .metrics import MetricsLog, peak_memory
-from .parallel import init_stage, load_full
+from .parallel import init_stage, init_tensor, load_full
 from .stages import (
     ModelStage, build_stages, gather_rows, infer, make_optimizer, response_entropy, response_logprobs, response_values,
     train_minibatch,
@@ -88,8 +88,6 @@ class WeightSync:
 
 
 def _params_only(emu):
-    from dataclasses import replace
-
     from nereus.reshard.layout import EMU
 
     tensors = tuple(t for t in emu.tensors if not t.name.startswith("optim/"))
@@ -109,13 +107,13 @@ class Trainer:
         for key, stage in self.stages.items():
             if stage.part is not None:  # a vLLM actor.gen has no module: the first sync fills it
                 source, model, head = cfg.stage_model(key)
-                # A value-head model loads its own checkpoint (critic:/reward_model: with a path,
-                # a *ForSequenceClassification directory); a critic sharing the actor's
-                # ``model`` starts from init, as the actor's LM checkpoint has no value head.
-                if model.path and (head == "lm" or source != "model"):
+                seed = cfg.seed + (1 if key.startswith("critic") else 0)
+                if not model.path:
+                    init_stage(stage.part, seed=seed, std=model.init_std)
+                elif head == "value" and source == "model":  # a critic on the actor's LM checkpoint
+                    load_hf(stage, model.path, fresh_head=(seed, model.init_std))
+                else:  # the actor's and reference's LM, or a critic:/reward_model: value checkpoint
                     load_hf(stage, model.path)
-                else:
-                    init_stage(stage.part, seed=cfg.seed + (1 if key.startswith("critic") else 0), std=model.init_std)
             if key.endswith(".train"):
                 make_optimizer(stage, cfg.ppo.critic_lr if key == "critic.train" else hp.lr)
         self.syncs = [WeightSync(src=self.stages["actor.train"], dst=self.stages["actor.gen"])]
@@ -288,15 +286,26 @@ class Trainer:
         return self.step
 
 
-def load_hf(stage: ModelStage, path: str) -> None:
+def load_hf(stage: ModelStage, path: str, *, fresh_head: tuple[int, float] | None = None) -> None:
     """This rank's boxes of a HuggingFace checkpoint, read through memory maps: only the
-    pages of the boxes are touched, and ``copy_`` casts them to the stage's dtype."""
+    pages of the boxes are touched, and ``copy_`` casts them to the stage's dtype.
+
+    ``fresh_head=(seed, std)``: ``path`` is the causal LM a value model is built on (a critic
+    that shares the actor's ``model``, started as verl and OpenRLHF start one): the backbone
+    comes from the checkpoint, its ``lm_head`` is not read, and ``score.weight`` is drawn as
+    ``init_stage`` draws it."""
     from nereus.store.hf import HFCheckpoint, check_against_spec
 
     ckpt = HFCheckpoint.open(path)
-    check_against_spec(ckpt, stage.args.spec)
+    spec = stage.args.spec
+    check_against_spec(ckpt, replace(spec, head="lm") if fresh_head else spec)
     check_forward_settings(stage.args, ckpt.config, path)
-    load_full(stage.part, ckpt.mapped)
+    if fresh_head is None:
+        load_full(stage.part, ckpt.mapped)
+        return
+    seed, std = fresh_head
+    shapes = {t.name: t.shape for t in stage.part.layouts()}
+    load_full(stage.part, lambda name: init_tensor(name, shapes[name], seed, std) if name == "score.weight" else ckpt.mapped(name))
 
 
 def check_forward_settings(args: ModelArgs, config: dict, path: str) -> None:

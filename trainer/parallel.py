@@ -41,7 +41,7 @@ rank tuple, so configs sharing a group (two model-stages on the same TP ranks) s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -468,17 +468,17 @@ def init_stage(part: StagePart, seed: int = 0, std: float = 0.02) -> None:
     Each full tensor is drawn alone (one parameter's memory at a time), as init_weights does:
     norms 1, biases 0, matrices N(0, std) from a generator seeded by (seed, name)."""
     shapes = {t.name: t.shape for t in part.layouts()}
+    load_full(part, lambda name: init_tensor(name, shapes[name], seed, std))
 
-    def full(name: str) -> torch.Tensor:
-        shape = shapes[name]
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
-        if name.endswith(".bias"):
-            return torch.zeros(shape)
-        g = torch.Generator().manual_seed(_param_seed(seed, name))
-        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
 
-    load_full(part, full)
+def init_tensor(name: str, shape: Sequence[int], seed: int, std: float) -> torch.Tensor:
+    """The full initial value of parameter ``name`` (``init_weights``' rule), in float32."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed(_param_seed(seed, name))
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=g)
 
 
 # ------------------------------------------------------------------------ optimizer state

@@ -233,3 +233,33 @@ def test_a_reward_model_scores_each_sequence_at_its_last_real_token(tmp_path):
     torch.testing.assert_close(seen["scores"], expected, atol=1e-4, rtol=1e-4)  # tp2 vs one process; N(0, 1) weights
     assert step["reward_mean"] == pytest.approx(float(seen["scores"].mean()), abs=1e-6)
     assert 0.0 <= step["task_reward_mean"] <= 1.0 and step["task_reward_mean"] != step["reward_mean"]
+
+
+def _critic_params(rank, world_size, run_dir, lm_dir):
+    from nereus.trainer.loop import Trainer
+
+    cfg = load_config(TINY_PPO, [*ONE_PROCESS_PPO, f"run_dir={run_dir}", "device=cpu", f"model.path={lm_dir}"])
+    trainer = Trainer(cfg)
+    stages = ("critic.train", "actor.train")
+    return {k: {n: t.detach().numpy().copy() for n, t in trainer.stages[k].param_buffers().items()} for k in stages}  # by value
+
+
+@pytest.mark.timeout(300)
+def test_a_critic_on_the_actors_checkpoint_loads_its_backbone_and_draws_a_value_head(tmp_path):
+    """As verl and OpenRLHF start a critic: the LM's backbone, a fresh value head (no lm_head)."""
+    from tests.distributed_harness import run_distributed
+    from tests.store.models import llama_config, write_hf_model
+
+    from nereus.trainer.parallel import init_tensor
+
+    config = llama_config(vocab_size=16, hidden_size=64, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=32)
+    weights = write_hf_model(tmp_path / "lm", config, seed=5)
+    params = run_distributed(_critic_params, 1, str(tmp_path / "run"), str(tmp_path / "lm"), timeout=240)[0]
+    critic, actor = ({n: torch.from_numpy(a) for n, a in params[k].items()} for k in ("critic.train", "actor.train"))
+    assert set(critic) == {n for n in weights if n != "lm_head.weight"} | {"score.weight"}
+    for name, value in weights.items():
+        assert torch.equal(actor[name], value), name
+        if name != "lm_head.weight":
+            assert torch.equal(critic[name], value), name
+    init_std = load_config(TINY_PPO).model.init_std
+    assert torch.equal(critic["score.weight"], init_tensor("score.weight", (1, 64), seed=1, std=init_std))
