@@ -273,3 +273,15 @@ def test_vllm_share_of_the_device_counts_while_it_generates() -> None:
     assert [(s.resident, s.transient) for s in gen] == [(0, int(0.5 * 141 * GIB))]
     with pytest.raises(ConfigError, match=r"on rank 0: needs 16\d\.\d GiB .* largest model-stage there: actor.gen"):
         load_config(llama, ["rollout.gpu_memory_utilization=0.95"])
+
+
+def test_value_heads_hold_no_vocabulary_logits() -> None:
+    """tiny_ppo's critic.infer and ref.infer share shapes and layout (dp2·tp2); only the LM
+    holds fp32 logits and their softmax copy: s·b·V/t·4·2 bytes."""
+    from nereus.trainer.memory import plan_memory
+
+    cfg = tiny()
+    stages = {s.stage: s for s in plan_memory(cfg)[0]}
+    rows = cfg.batch_size // 2  # dp2
+    logits = cfg.model.max_seq_len * rows * cfg.model.vocab_size // 2 * 4 * 2
+    assert stages["ref.infer"].transient - stages["critic.infer"].transient == logits
