@@ -8,7 +8,9 @@ Order of work on one rank, and why it cannot deadlock:
 0. *Validate, then agree.* Each rank checks what it can see (plan ranks in the group,
    its source buffers, given target buffers) and the group all-gathers the verdicts, so a
    problem anywhere makes EVERY rank raise the same :class:`ProcessGroupError` before a
-   byte moves — no rank is left waiting in a receive.
+   byte moves — no rank is left waiting in a receive. On an NCCL group the first call
+   then runs one all-reduce so the communicator exists before any subset of ranks posts
+   a batched point-to-point (torch's rule for ``batch_isend_irecv``).
 1. *Rounds* come from the transition graph (``graph.ops_for(rank)``, global round order).
    Within a round a rank allocates its new target buffers (``torch.empty``, just in time),
    posts ALL its receives, then packs and sends each message at once (packing of the
@@ -567,6 +569,7 @@ def execute_stream(
     if error:
         verdict = ("ProcessGroupError", error + (f"; {extra_error[1]}" if extra_error else ""))
     agree(verdict, group=group, rank=rank, members=members)
+    _ready_nccl(group)
     stats = StreamStats()
     stats.phases["validate"] = time.perf_counter() - t_start
 
@@ -602,6 +605,25 @@ def execute_stream(
     result = StreamResult(ctx.dst)
     result.stats = ctx.stats
     return result
+
+
+_NCCL_READY: dict[int, object] = {}
+"""Groups whose NCCL communicator exists, by id (the value pins the group so ids stay unique)."""
+
+
+def _ready_nccl(group) -> None:
+    """Create the group's NCCL communicator with one tiny all-reduce, once per group.
+
+    torch.distributed: when ``batch_isend_irecv`` is the first NCCL call on a group, every
+    rank of the group must take part, or the behaviour is undefined (a hang); a transition's
+    rounds often involve only some ranks. Every rank calls ``execute_stream`` (its contract)
+    and reads the same backend config, so every rank runs this collective or none does.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    if id(pg) in _NCCL_READY or "cuda:nccl" not in dist.get_backend_config(group):
+        return
+    dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
+    _NCCL_READY[id(pg)] = pg
 
 
 def _device(*maps: Mapping[str, torch.Tensor] | None) -> torch.device:
