@@ -139,10 +139,31 @@ class StageConfig:
     ranks: tuple[int, ...] | None = None
     dp_shard: bool = False  # shard state over dp (FSDP2) instead of replicating it
     fused: bool = False  # actor.gen only: vLLM-style fused qkv / gate_up buffers
+    micro_batch_size: int | None = None  # train/infer stages: rows per forward of a replica (verl's *_micro_batch_size_per_gpu)
 
     def parallel_config(self, nproc: int) -> ParallelConfig:
         ranks = self.ranks if self.ranks is not None else tuple(range(nproc))
         return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, ranks=ranks)
+
+    def micro_batches(self, rows: int) -> int:
+        """How many micro-batches one replica splits its ``rows`` into (pure).
+
+        Without ``micro_batch_size``: one per pipeline stage where the rows allow, i.e. the
+        largest divisor of ``rows`` that is at most pp (pipelining needs equal micro-batches).
+        With it: ``n = max(that, ceil(rows / micro_batch_size))``; with pp > 1 rounded up to
+        the next divisor of ``rows`` (equal micro-batches again), with pp == 1 used as is
+        (the last micro-batch may be smaller). The gradient is the mean of the micro-batches'
+        losses (gradient accumulation, as verl and TRL do).
+        """
+        if rows < 1:
+            return 1
+        base = max(n for n in range(1, min(self.pp, rows) + 1) if rows % n == 0)
+        if self.micro_batch_size is None:
+            return base
+        want = max(base, -(-rows // self.micro_batch_size))
+        if self.pp == 1:
+            return want
+        return min(n for n in range(want, rows + 1) if rows % n == 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -541,6 +562,11 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig) -> None:
         raise ConfigError(f"{name}: fused buffers are a rollout layout, allowed on 'actor.gen' only")
     if sc.fused and sc.dp_shard:
         raise ConfigError(f"{name}: fused (rollout) buffers cannot also shard state over dp (dp_shard)")
+    if sc.micro_batch_size is not None:
+        if stage == "actor.gen":
+            raise ConfigError(f"{name}: micro_batch_size applies to training and inference stages; the rollout runs its whole batch")
+        if sc.micro_batch_size < 1:
+            raise ConfigError(f"{name}: micro_batch_size={sc.micro_batch_size} must be >= 1")
     key, model, head = cfg.stage_model(stage)
     try:
         check_tp(decoder_spec(model, head=head), sc.tp)

@@ -11,8 +11,9 @@ of one model-stage while it runs:
   layer in 16-bit (scaled by the dtype's size / 2) — their ``5·a·s/h`` term for the stored
   attention scores is dropped because SDPA's fused kernels never materialise them —
   times the layers of the rank's pipeline stage and the micro-batches in flight (1F1B keeps
-  up to pp on the first stage); plus, for a causal LM, fp32 logits ``s·b·V/t·4`` with
-  their softmax copy (×2) on the last stage; generation instead holds its KV cache
+  up to pp on the first stage), b being the stage's micro-batch (``StageConfig.micro_batches``);
+  plus, for a causal LM, fp32 logits ``s·b·V/t·4`` with their softmax copy (×2) on the last
+  stage; generation instead holds its KV cache
   ``2·layers·kv_local·d·b·s`` in the weights' dtype, plus the logits of one step;
 - the vLLM engine (``rollout.engine: vllm``) sleeps at level 2 outside generation (weights
   and KV cache freed), and while generating holds ``rollout.gpu_memory_utilization`` of the
@@ -78,8 +79,9 @@ def plan_memory(cfg: JobConfig) -> dict[int, list[StageMemory]]:
                     transient = 2 * layers * kv_local * spec.dim_head * rows * seq * size
                     transient += rows * spec.vocab_size // config.tp * 4 * 2
                 else:
-                    in_flight = config.pp - p if train else 1
-                    micro = -(-rows // config.pp)
+                    n = sc.micro_batches(rows)
+                    in_flight = min(config.pp - p, n) if train else 1
+                    micro = -(-rows // n)
                     per_layer = seq * micro * spec.hidden_size * 34 / config.tp
                     transient = int(per_layer * size / 2 * layers * in_flight) if train else int(per_layer * size / 2)
                     if p == config.pp - 1 and spec.head == "lm":  # a value head's output is [b, s]

@@ -48,7 +48,8 @@ class ModelStage:
     key: str
     args: ModelArgs
     config: ParallelConfig
-    dp_shard: bool
+    settings: StageConfig
+    """The plan's entry for this model-stage (dp_shard, micro_batch_size, ...)."""
     part: StagePart | None
     optimizer: torch.optim.Optimizer | None = None
     emus: list[EMU] = field(default_factory=list)
@@ -58,6 +59,10 @@ class ModelStage:
     """Per local parameter: 1 / holders of its box in this rank's EMU (see ``clip_grads``)."""
     engine: VLLMEngine | None = None
     """``actor.gen`` under ``rollout.engine: vllm``: vLLM holds the weights, ``part`` is None."""
+
+    @property
+    def dp_shard(self) -> bool:
+        return self.settings.dp_shard
 
     @property
     def member(self) -> bool:
@@ -121,7 +126,7 @@ def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu") 
         groups = stage_groups(config, args.spec, rank)
         part = build_stage(args, config, rank, dp_shard=sc.dp_shard, device=device, groups=groups) if groups else None
         train = key.endswith(".train")
-        stage = ModelStage(key=key, args=args, config=config, dp_shard=sc.dp_shard, part=part)
+        stage = ModelStage(key=key, args=args, config=config, settings=sc, part=part)
         stage.emus = derive_emus(args.spec, config, model=key.split(".")[0], stage=key.split(".")[1], optimizer=train, dp_shard=sc.dp_shard)
         stage.group = _stage_group(config)
         if part is not None:
@@ -155,7 +160,7 @@ def _norm_weights(stage: ModelStage, rank: int) -> dict[str, float]:
 
 def _vllm_stage(cfg: JobConfig, key: str, args: ModelArgs, config: ParallelConfig, rank: int) -> ModelStage:
     """``actor.gen`` as a vLLM engine on every rank (vLLM's setup is collective over the world)."""
-    stage = ModelStage(key=key, args=args, config=config, dp_shard=False, part=None)
+    stage = ModelStage(key=key, args=args, config=config, settings=cfg.plan.actor.gen, part=None)
     stage.emus = vllm_emus(args.spec, config, model="actor", stage="gen")
     stage.engine = VLLMEngine(
         args, config, rank=rank, seed=cfg.seed, model_path=cfg.model.path,
@@ -301,6 +306,5 @@ def _my_rows(stage: ModelStage, batch: dict[str, torch.Tensor], lo: int, hi: int
 
 
 def _microbatches(stage: ModelStage, rows: int) -> int:
-    """One micro-batch per pipeline stage where the rows allow: the largest divisor of
-    ``rows`` that is at most pp (pipelining needs equal micro-batches)."""
-    return max(n for n in range(1, min(stage.config.pp, rows) + 1) if rows % n == 0)
+    """Micro-batches for a replica's ``rows``: ``StageConfig.micro_batches``."""
+    return stage.settings.micro_batches(rows)

@@ -285,3 +285,28 @@ def test_value_heads_hold_no_vocabulary_logits() -> None:
     rows = cfg.batch_size // 2  # dp2
     logits = cfg.model.max_seq_len * rows * cfg.model.vocab_size // 2 * 4 * 2
     assert stages["ref.infer"].transient - stages["critic.infer"].transient == logits
+
+
+def test_micro_batch_size_sets_the_micro_batches_of_a_replica() -> None:
+    from nereus.trainer.config import StageConfig
+
+    assert [StageConfig(pp=1).micro_batches(r) for r in (1, 16)] == [1, 1]
+    assert [StageConfig(pp=4).micro_batches(r) for r in (6, 8, 2)] == [3, 4, 2]  # largest divisor <= pp
+    assert [StageConfig(micro_batch_size=m).micro_batches(16) for m in (4, 5, 16, 32)] == [4, 4, 1, 1]
+    assert StageConfig(micro_batch_size=4).micro_batches(10) == 3  # pp 1: 4 + 4 + 2 rows
+    assert StageConfig(pp=2, micro_batch_size=3).micro_batches(16) == 8  # ceil(16/3) = 6 -> divisor 8
+    assert StageConfig(pp=4, micro_batch_size=16).micro_batches(16) == 4  # never fewer than the pipeline's
+
+
+def test_micro_batch_size_shrinks_the_activation_memory_and_is_checked() -> None:
+    from nereus.trainer.memory import plan_memory
+
+    def train_transient(*overrides: str) -> int:
+        return next(s.transient for s in plan_memory(tiny(*overrides))[0] if s.stage == "actor.train")
+
+    whole, quarter = train_transient(), train_transient("plan.actor.train.micro_batch_size=16")  # 64 rows per replica
+    assert quarter == pytest.approx(whole / 4, rel=1e-6)
+    with pytest.raises(ConfigError, match="plan 'actor.gen': micro_batch_size applies to training and inference stages"):
+        tiny("plan.actor.gen.micro_batch_size=4")
+    with pytest.raises(ConfigError, match="plan 'ref.infer': micro_batch_size=0 must be >= 1"):
+        tiny("plan.ref.infer.micro_batch_size=0")

@@ -263,3 +263,41 @@ def test_a_critic_on_the_actors_checkpoint_loads_its_backbone_and_draws_a_value_
             assert torch.equal(critic[name], value), name
     init_std = load_config(TINY_PPO).model.init_std
     assert torch.equal(critic["score.weight"], init_tensor("score.weight", (1, 64), seed=1, std=init_std))
+
+
+def _grpo_steps(rank, world_size, run_dir, overrides):
+    """Two GRPO steps on 2 processes (fixed-length responses), their metrics and the weights."""
+    from nereus.trainer.loop import Trainer
+
+    cfg = load_config(TINY_GRPO, [*TWO_PROCS, f"run_dir={run_dir}", "device=cpu", "rollout.ignore_eos=true", *overrides])
+    trainer = Trainer(cfg)
+    calls = {"actor.train": 0, "ref.infer": 0}  # forwards of this rank's modules
+    for key in calls:
+        if trainer.stages[key].part is not None:
+            trainer.stages[key].part.module.register_forward_pre_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
+    steps = [trainer.run_step() for _ in range(2)]
+    params = {k: v.detach().numpy().copy() for k, v in trainer.stages["actor.train"].param_buffers().items()}
+    return [{k: s[k] for k in ("actor/loss", "actor/grad_norm", "reward_mean", "kl")} for s in steps], params, calls
+
+
+@pytest.mark.timeout(300)
+def test_micro_batches_accumulate_the_same_update(tmp_path):
+    """actor.train in 4-row micro-batches and ref.infer in 3-row ones (uneven split) give the
+    whole batch's losses, KL, gradient norms and weights: every row has the same token count,
+    so the mean of micro-batch means is the batch mean. (Weights to 1e-4 only: AdamW turns
+    float rounding in near-zero gradients into updates of up to lr · rounding / eps.)"""
+    from tests.distributed_harness import run_distributed
+
+    micro = ["plan.actor.train.micro_batch_size=4", "plan.ref.infer.micro_batch_size=3"]
+    whole = run_distributed(_grpo_steps, 2, str(tmp_path / "a"), [], timeout=240)
+    split = run_distributed(_grpo_steps, 2, str(tmp_path / "b"), micro, timeout=240)
+    assert whole[0][2]["ref.infer"] == 2 and split[0][2]["ref.infer"] == 2 * 86  # 256 rows in 3-row micro-batches
+    assert split[0][2]["actor.train"] >= 16 * whole[0][2]["actor.train"]  # 64 rows per replica in 4-row ones
+    for (wm, wp, _), (sm, sp, _) in zip(whole, split):
+        for w, s in zip(wm, sm):
+            assert s["reward_mean"] == w["reward_mean"]
+            assert s["kl"] == pytest.approx(w["kl"], abs=1e-6)
+            assert s["actor/loss"] == pytest.approx(w["actor/loss"], abs=1e-6)
+            assert s["actor/grad_norm"] == pytest.approx(w["actor/grad_norm"], rel=1e-5)
+        for name in wp:
+            assert abs(sp[name] - wp[name]).max() <= 1e-4, name
