@@ -3,8 +3,9 @@
 Prompts of different lengths are left-padded to P so that every row's last prompt token
 sits in column P-1 and all rows decode in lock-step; position ids count real tokens only.
 Each step samples one token per row from ``softmax(logits / temperature)`` restricted to the
-top-p nucleus (greedy argmax when temperature == 0). A row stops after emitting a stop token;
-later columns hold ``pad_id``. Decoding ends when every row has stopped or after
+top-p nucleus (greedy argmax when temperature == 0). Rows with the same prompt are
+prefilled once (``_prefill``). A row stops after emitting a stop token; later columns
+hold ``pad_id``. Decoding ends when every row has stopped or after
 ``max_new_tokens`` steps, so N <= max_new_tokens.
 
 Log-probs (what RL needs as the behaviour policy's log-prob): ``log_softmax(logits / T)``
@@ -161,10 +162,11 @@ def _decode(
     b, width = ids.shape
     prompt_mask = torch.arange(width, device=device) >= width - lengths[:, None]
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
-    cache = KVCache.for_model(model, b, width + max_new_tokens) if use_cache else None
-
     tokens, real = ids, prompt_mask
-    logits = model(ids, attention_mask=prompt_mask, kv_cache=cache)[:, -1]
+    if use_cache:
+        logits, cache = _prefill(model, ids, lengths, prompt_mask, width + max_new_tokens)
+    else:
+        cache, logits = None, model(ids, attention_mask=prompt_mask)[:, -1]
     done = torch.zeros(b, dtype=torch.bool, device=device)
     new_tokens, new_logprobs, alive_cols = [], [], []
     for step in range(max_new_tokens):
@@ -192,3 +194,22 @@ def _decode(
         prompt_lengths=lengths,
         response_lengths=response_mask.sum(1),
     )
+
+
+def _prefill(model, ids, lengths, prompt_mask, max_len: int) -> tuple[torch.Tensor, KVCache]:
+    """The last prompt token's logits [B, V] and a KV cache of the prompts for B rows.
+
+    Rows sharing a prompt (GRPO's samples of one prompt: same ids and length) are prefilled
+    once and their cache rows copied, as vLLM's prefix caching would share them: a group of
+    G samples costs one prompt's prefill instead of G.
+    """
+    distinct, inverse = torch.unique(torch.cat([ids, lengths[:, None]], 1), dim=0, return_inverse=True)
+    if distinct.shape[0] == ids.shape[0]:
+        cache = KVCache.for_model(model, ids.shape[0], max_len)
+        return model(ids, attention_mask=prompt_mask, kv_cache=cache)[:, -1], cache
+    first = torch.full((distinct.shape[0],), ids.shape[0], dtype=torch.long, device=ids.device)
+    first.scatter_reduce_(0, inverse, torch.arange(ids.shape[0], device=ids.device), reduce="amin")  # a row of each
+    cache = KVCache.for_model(model, first.numel(), max_len)
+    logits = model(ids[first], attention_mask=prompt_mask[first], kv_cache=cache)[:, -1]
+    cache.select_rows(inverse)
+    return logits[inverse], cache

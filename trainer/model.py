@@ -201,6 +201,14 @@ class KVCache:
             kv_heads=kv_heads, head_dim=spec.dim_head, dtype=p.dtype, device=p.device,
         )
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] of every tensor, in that order (rows may repeat): a cache
+        prefilled once per distinct prompt becomes the cache of every sample of it."""
+        self.k = {name: t.index_select(0, index) for name, t in self.k.items()}
+        self.v = {name: t.index_select(0, index) for name, t in self.v.items()}
+        self.key_mask, self.seen = self.key_mask.index_select(0, index), self.seen.index_select(0, index)
+        self.batch_size = index.numel()
+
     def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v [B, kv_heads, T, d] of ``layer``; return all slots so far."""
         end = self.length + k.shape[2]

@@ -145,3 +145,20 @@ def test_sampled_frequencies_match_the_nucleus_distribution(top_p):
     stderr = (probs * (1 - probs) / n).sqrt()
     assert ((freq - probs).abs() <= 5 * stderr + 1e-9).all(), (freq - probs).abs().max()
     assert (counts[probs == 0] == 0).all()
+
+
+def test_shared_prompts_are_prefilled_once_with_the_same_rollout(model):
+    """GRPO-style repeated prompts (and two that left-pad to the same ids but differ in
+    length) give the recompute-everything generator's tokens; the prefill sees each distinct
+    prompt once."""
+    prompts = [[5, 9, 3], [5, 9, 3], [PAD, 7], [7], [5, 9, 3], [7]]  # [PAD, 7] and [7] pad alike
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    try:
+        cached = generate(model, prompts, pad_id=PAD, max_new_tokens=5, generator=seeded(2))
+    finally:
+        hook.remove()
+    assert seen[0] == 3 and set(seen[1:]) == {6}  # prefill: 3 distinct rows; decode: all 6
+    plain = generate_no_cache(model, prompts, pad_id=PAD, max_new_tokens=5, generator=seeded(2))
+    assert_same(cached, plain)
+    assert_well_formed(cached, set())
