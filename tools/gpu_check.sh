@@ -15,7 +15,7 @@
 #   resume    the same job as 2 steps + `--resume` to 4: checkpoint save/restore on CUDA buffers;
 #             its losses are compared with the uninterrupted run's (CUDA kernels may differ in
 #             the last bits, so the difference is printed and a tolerance of 1e-4 applied)
-#   grpo_bf16 tiny_grpo on one process in bfloat16, 3 steps
+#   grpo_bf16 tiny_grpo on one process in bfloat16, 3 steps, actor.train and ref.infer micro-batched
 #   reshard   tests/reshard as they are (gloo on CPU: the tests have no NCCL switch, and one GPU
 #             cannot host a multi-rank NCCL group anyway)
 # tools/bench_reshard.py is skipped: it is gloo-only (2 CPU processes).
@@ -96,7 +96,8 @@ ONE_PROCESS_PPO=(nproc=1 plan.actor.train.dp=1 plan.actor.train.tp=1 plan.actor.
 ONE_PROCESS_GRPO=(nproc=1 plan.actor.train.dp=1 plan.actor.gen.dp=1 plan.actor.gen.tp=1 plan.ref.infer.dp=1 plan.ref.infer.tp=1)
 sets() { for s in "$@"; do printf -- '--set\n%s\n' "$s"; done; }
 mapfile -t PPO_SETS < <(sets "${ONE_PROCESS_PPO[@]}" "device=$DEVICE" checkpoint_every=2)
-mapfile -t GRPO_SETS < <(sets "${ONE_PROCESS_GRPO[@]}" "device=$DEVICE" steps=3 model.dtype=bfloat16)
+mapfile -t GRPO_SETS < <(sets "${ONE_PROCESS_GRPO[@]}" "device=$DEVICE" steps=3 model.dtype=bfloat16 \
+                           plan.actor.train.micro_batch_size=32 plan.ref.infer.micro_batch_size=48)
 TRAIN=("$PY" -m nereus.cli.app train)
 
 check_metrics() {  # the uninterrupted run's metrics: 4 steps, device memory reported
