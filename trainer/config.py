@@ -527,7 +527,7 @@ def _check_plan_stages(cfg: JobConfig) -> None:
     stages = cfg.plan.stages()
     need = ["actor.train", "actor.gen"]
     if cfg.algorithm == "ppo":
-        need += ["critic.train", "critic.infer"]
+        need.append("critic.train")  # critic.infer is optional: without it the values come from critic.train
     elif any(s.startswith("critic.") for s in stages):
         raise ConfigError("plan 'critic' is set, but grpo has no critic")
     kl = cfg.ppo.kl_coef if cfg.algorithm == "ppo" else cfg.grpo.kl_coef

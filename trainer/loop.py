@@ -12,8 +12,9 @@ One step (all ranks, SPMD):
 3. inference: rewards, from the task's rule or, with a ``reward_model``, from ``reward.infer``
    (its value at each sequence's last real token; the task's own reward is then logged as
    ``task_reward_mean``); old log-probs (``actor.train``), reference log-probs
-   (``ref.infer``) and values (``critic.infer``, synced from ``critic.train``). When the
-   step makes exactly one update (one epoch of one mini-batch) and nothing before training
+   (``ref.infer``) and values (``critic.infer``, synced from ``critic.train``, or
+   ``critic.train`` itself in its training layout when the plan has no ``critic.infer``).
+   When the step makes exactly one update (one epoch of one mini-batch) and nothing before training
    reads the old log-probs (GRPO, or PPO with the KL as a loss term), π_old = π_θ at that
    update: the actor's forward is skipped and the loss uses its own log-probs, detached
    (ratio exp(l − sg(l)) = 1 with the policy gradient; TRL does the same); the logged KL
@@ -147,7 +148,7 @@ class Trainer:
         if "ref.infer" in self.stages:
             batch["ref_logprobs"] = infer(self.stages["ref.infer"], batch, "logprobs", temp)
         if cfg.algorithm == "ppo":
-            batch["old_values"] = infer(self.stages["critic.infer"], batch, "values")
+            batch["old_values"] = infer(self.stages.get("critic.infer", self.stages["critic.train"]), batch, "values")
         advantage_metrics = self._advantages(batch, scores)
         seconds["inference"] = time.perf_counter() - t
 

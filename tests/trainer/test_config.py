@@ -192,8 +192,9 @@ def test_plan_must_fit_the_model() -> None:
 def test_stages_the_algorithm_needs() -> None:
     with pytest.raises(ConfigError, match="grpo has no critic"):
         tiny("algorithm=grpo")
-    with pytest.raises(ConfigError, match="plan 'critic.infer' is missing"):
-        tiny("plan.critic.infer=null")
+    with pytest.raises(ConfigError, match="plan 'critic.train' is missing"):
+        tiny("plan.critic.train=null")
+    assert tiny("plan.critic.infer=null").plan.critic.infer is None  # values from critic.train then
     with pytest.raises(ConfigError, match="plan 'ref.infer' is missing"):
         tiny("plan.ref=null")
     assert tiny("plan.ref=null", "ppo.kl_coef=0").plan.ref is None  # no KL, no reference

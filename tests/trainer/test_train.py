@@ -301,3 +301,25 @@ def test_micro_batches_accumulate_the_same_update(tmp_path):
             assert s["actor/grad_norm"] == pytest.approx(w["actor/grad_norm"], rel=1e-5)
         for name in wp:
             assert abs(sp[name] - wp[name]).max() <= 1e-4, name
+
+
+def _one_ppo_step(rank, world_size, run_dir, overrides):
+    from nereus.trainer.loop import Trainer
+
+    cfg = load_config(TINY_PPO, [*ONE_PROCESS_PPO, f"run_dir={run_dir}", "device=cpu", *overrides])
+    trainer = Trainer(cfg)
+    step = trainer.run_step()
+    return sorted(trainer.stages), {k: step[k] for k in ("reward_mean", "critic/loss", "actor/loss", "kl")}
+
+
+@pytest.mark.timeout(300)
+def test_without_critic_infer_the_values_come_from_critic_train(tmp_path):
+    """No critic.infer in the plan: no such stage, no second copy of the critic, and the
+    step equals one whose critic.infer holds the same weights in the same layout."""
+    from tests.distributed_harness import run_distributed
+
+    with_infer = run_distributed(_one_ppo_step, 1, str(tmp_path / "a"), ["plan.critic.train.dp_shard=false"], timeout=240)[0]
+    without = run_distributed(_one_ppo_step, 1, str(tmp_path / "b"), ["plan.critic.train.dp_shard=false", "plan.critic.infer=null"], timeout=240)[0]
+    assert "critic.infer" in with_infer[0] and "critic.infer" not in without[0]
+    for key, value in with_infer[1].items():
+        assert without[1][key] == pytest.approx(value, abs=1e-6), key
