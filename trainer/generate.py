@@ -160,7 +160,7 @@ def _decode(
         )
     device = ids.device
     b, width = ids.shape
-    prompt_mask = torch.arange(width, device=device) >= width - lengths[:, None]
+    prompt_mask = _prompt_mask(width, lengths)
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
     tokens, real = ids, prompt_mask
     if use_cache:
@@ -207,9 +207,13 @@ def _prefill(model, ids, lengths, prompt_mask, max_len: int) -> tuple[torch.Tens
     if distinct.shape[0] == ids.shape[0]:
         cache = KVCache.for_model(model, ids.shape[0], max_len)
         return model(ids, attention_mask=prompt_mask, kv_cache=cache)[:, -1], cache
-    first = torch.full((distinct.shape[0],), ids.shape[0], dtype=torch.long, device=ids.device)
-    first.scatter_reduce_(0, inverse, torch.arange(ids.shape[0], device=ids.device), reduce="amin")  # a row of each
-    cache = KVCache.for_model(model, first.numel(), max_len)
-    logits = model(ids[first], attention_mask=prompt_mask[first], kv_cache=cache)[:, -1]
+    cache = KVCache.for_model(model, distinct.shape[0], max_len)
+    mask = _prompt_mask(ids.shape[1], distinct[:, -1])
+    logits = model(distinct[:, :-1], attention_mask=mask, kv_cache=cache)[:, -1]
     cache.select_rows(inverse)
     return logits[inverse], cache
+
+
+def _prompt_mask(width: int, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, width] bool: the real tokens of left-padded prompts of ``lengths``."""
+    return torch.arange(width, device=lengths.device) >= width - lengths[:, None]

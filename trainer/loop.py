@@ -140,8 +140,8 @@ class Trainer:
 
         t = time.perf_counter()
         temp = cfg.rollout.temperature
-        task_scores = scores
-        if "reward.infer" in self.stages:
+        reward_model, task_scores = "reward.infer" in self.stages, scores
+        if reward_model:
             scores = infer(self.stages["reward.infer"], batch, "scores")
         if not self.on_policy:
             batch["old_logprobs"] = infer(self.stages["actor.train"], batch, "logprobs", temp)
@@ -164,7 +164,7 @@ class Trainer:
         return {
             "step": self.step,
             "reward_mean": float(scores.mean()),
-            **({"task_reward_mean": float(task_scores.mean())} if scores is not task_scores else {}),
+            **({"task_reward_mean": float(task_scores.mean())} if reward_model else {}),
             "kl": float(kl),
             "response_length": float(mask.sum(1).float().mean()),
             **train_metrics,
