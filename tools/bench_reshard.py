@@ -29,7 +29,14 @@ For each case, each method is timed as the median of 3 runs after one warm-up; a
   meanwhile, unpack (the floor plus the memory copies any executor has to make);
 - floor: one ``batch_isend_irecv`` per rank pair carrying exactly the bytes that must
   cross (``TransferPlan.bytes_between`` without local copies), between contiguous
-  preallocated buffers: the least any executor could do with gloo.
+  preallocated buffers: the least any executor could do with gloo;
+- copies: the memory copies no executor can skip, with no network: pack every strided
+  source region that must cross, copy every region that stays on its rank, unpack every
+  strided target region that arrives (staging preallocated and touched). Both ranks copy
+  at once, sharing memory bandwidth as they would mid-transfer. On this 2-core machine the
+  floor's transfer already keeps both cores busy (its CPU time, printed, is ~0.9 of its wall time),
+  so nothing can hide these copies behind it: floor + copies is the lower bound here, and
+  ``stream_over_bound`` is the stream's distance from it.
 
 The stream result is checked bit for bit against ``reshard.reference`` once per case
 (``--check-all`` checks every method).
@@ -84,7 +91,8 @@ LLAMA3_70B = DecoderSpec(
     num_heads=64, num_kv_heads=8, dtype="bfloat16",
 )
 CASES = ("flip", "tp2_to_replicated")
-METHODS = ("stream", "stream+alloc", "stream+arena", "dcp", "redistribute", "allgather", "handwritten", "floor")
+METHODS = ("stream", "stream+alloc", "stream+arena", "dcp", "redistribute", "allgather", "handwritten", "floor", "copies",
+           "floor+copies")
 BARS = {"stream_over_dcp": 3.0, "stream_over_redistribute": 3.0, "stream_over_floor": 1.5, "plan_global_s": 1.0, "plan_rank_s": 1.0}
 
 
@@ -356,7 +364,10 @@ def bench_floor(ctx, *, runs) -> dict:
         recv = torch.zeros(between.get((peer, rank), 0), dtype=torch.uint8)
         bufs.append((peer, send, recv))
 
+    cpu: list[float] = []
+
     def run():
+        c0 = _cpu_s()
         for peer, send, recv in bufs:  # one batch per rank pair
             ops = []
             if send.numel():
@@ -365,8 +376,48 @@ def bench_floor(ctx, *, runs) -> dict:
                 ops.append(dist.P2POp(dist.irecv, recv, peer))
             for w in dist.batch_isend_irecv(ops) if ops else []:
                 w.wait()
+        cpu.append(_cpu_s() - c0)
 
-    return {"floor": _summary(timed(run, runs=runs))}
+    res = _summary(timed(run, runs=runs))
+    res["cpu_s_rank"] = statistics.median(cpu[1:])  # this process's CPU seconds (all threads, user + system)
+    return {"floor": res}
+
+
+def _cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def bench_copies(ctx, dst, *, runs) -> dict:
+    """The copies any executor must make here, without the transfer (module docstring):
+    pack strided crossing sources, copy the local regions, unpack strided arrivals."""
+    plan, src, rank = ctx["plan"], ctx["src"], ctx["rank"]
+    packs, unpacks, local = [], [], []
+    for t in plan.transfers:
+        if t.src_rank == rank == t.dst_rank:
+            local.append(t)
+        elif t.src_rank == rank and not t.src_view(src).is_contiguous():
+            packs.append((t, torch.zeros(t.nbytes, dtype=torch.uint8)))
+        elif t.dst_rank == rank and not t.dst_view(dst).is_contiguous():
+            unpacks.append((t, torch.zeros(t.nbytes, dtype=torch.uint8)))
+
+    def typed(raw, like):
+        return raw.view(like.dtype).view(like.shape)
+
+    def run():
+        for t, raw in packs:
+            view = t.src_view(src)
+            typed(raw, view).copy_(view)
+        for t in local:
+            t.dst_view(dst).copy_(t.src_view(src))
+        for t, raw in unpacks:
+            view = t.dst_view(dst)
+            view.copy_(typed(raw, view))
+
+    res = _summary(timed(run, runs=runs))
+    res["bytes_rank"] = {"pack": sum(r.numel() for _, r in packs), "local": sum(t.nbytes for t in local),
+                         "unpack": sum(r.numel() for _, r in unpacks)}
+    return {"copies": res}
 
 
 def bench_handwritten(ctx, dst, *, runs, check, do_check) -> dict:
@@ -470,6 +521,7 @@ def worker(rank: int, world: int, spec: DecoderSpec, runs: int, check_all: bool,
             ("allgather", lambda: bench_allgather(ctx, dst, runs=runs, check=res["check"], do_check=check_all)),
             ("handwritten", lambda: bench_handwritten(ctx, dst, runs=runs, check=res["check"], do_check=check_all)),
             ("floor", lambda: bench_floor(ctx, runs=runs)),
+            ("copies", lambda: bench_copies(ctx, dst, runs=runs)),
         ]
         res["methods"] = {}
         for name, step in steps:
@@ -480,6 +532,10 @@ def worker(rank: int, world: int, spec: DecoderSpec, runs: int, check_all: bool,
             except Exception:
                 res["errors"][name] = traceback.format_exc(limit=6)
                 raise  # the ranks may be out of step after a failure: stop
+        methods = res["methods"]
+        if "floor" in methods and "copies" in methods:
+            methods["floor+copies"] = {"median_s": methods["floor"]["median_s"] + methods["copies"]["median_s"],
+                                       "sum_of": ["floor", "copies"]}
         out["cases"][case] = res
         del dst, ctx
     return out
@@ -576,6 +632,12 @@ def report(result: dict, verbose: bool = True) -> dict:
                 print(f"{'':<18} {m} rank 0: {stats.get('rounds')} rounds, {stats.get('messages_received')} messages in"
                       f" at {(rate or 0) / 1e9:.2f} GB/s of link time, staging {stats.get('staging_bytes', 0) / 1e6:.0f} MB"
                       + (f", phases(s): {phases}" if phases else ""))
+        floor, copies = res["methods"].get("floor", {}), res["methods"].get("copies", {})
+        if "cpu_s_rank" in floor:
+            print(f"{'':<18} floor rank 0: {floor['cpu_s_rank']:.3f} CPU s in {floor['median_s']:.3f} s "
+                  f"({floor['cpu_s_rank'] / floor['median_s']:.2f} of a core, all threads)")
+        if "bytes_rank" in copies:
+            print(f"{'':<18} copies rank 0 (GB): " + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in copies["bytes_rank"].items()))
         if "graph" in res:
             print(f"{'':<18} graph: {res['graph']['num_rounds']} rounds, estimate {res['graph']['estimate_s']:.3f} s, "
                   f"peak {max(res['graph']['peak_bytes'].values()) / 1e9:.2f} GB/rank")
@@ -597,6 +659,10 @@ def report(result: dict, verbose: bool = True) -> dict:
         "stream_over_floor": ratio("stream", "floor"),
         "plan_global_s": scale.get("plan_global_s"),
         "plan_rank_s": scale.get("plan_rank_s"),
+        "stream_over_bound": ratio("stream", "floor+copies"),
+        "arena_over_bound": ratio("stream+arena", "floor+copies"),
+        "arena_over_floor": ratio("stream+arena", "floor"),
+        "bound_over_floor": ratio("floor+copies", "floor"),
     }
     if scale:
         summary["plan_global_warm_s"] = scale["plan_global_warm_s"]
