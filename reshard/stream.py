@@ -18,6 +18,12 @@ Order of work on one rank, and why it cannot deadlock:
    then waits for the receives (unpacking each as it lands) and finally the sends.
    A rank only blocks after every receive of its round is posted, and a send only needs
    its receiver to reach the same round; by induction on rounds every op completes.
+   On gloo, strided sends are packed into a ring of ``SEND_SLOTS`` reused slots; reusing
+   a slot waits for the send that last held it, which only needs the peer's receive,
+   posted when the peer entered the round, so that wait cannot deadlock either (local
+   copies fill it). The graph still counts a strided send's whole size on the sender:
+   for gloo an upper bound. NCCL launches a round's ops together, so there every packed
+   message has its own staging.
 2. *Messages.* A rank pair's transfers in a round go in one fixed order: those whose
    source region is contiguous (sent as their own view, no copy, so bytes flow at once),
    then one packed byte message of all transfers under ``COALESCE_BYTES`` (each piece at
@@ -25,10 +31,12 @@ Order of work on one rank, and why it cannot deadlock:
    before their send); plan order within each class. Sender and receiver derive the same
    list from the same plan, and a per-(peer, direction) counter gives each message a tag
    unique over the whole transition: gloo matches on tags; on NCCL (tags ignored) a round
-   is one ``batch_isend_irecv`` whose per-peer order is this same order. A contiguous
-   target region is received in place; strided regions go through a staging arena sized
-   once per round and reused across rounds (and calls, if the caller keeps it: first-touch
-   allocation costs ~0.33 s/GiB on CPU).
+   is one ``batch_isend_irecv`` whose per-peer order is this same order. On gloo a
+   transfer strided on either side and larger than ``CHUNK_BYTES`` travels as slices of
+   its first non-unit dimension, so packing, sending and unpacking pipeline within it and
+   a send slot stays small. A contiguous target region is received in place; strided
+   regions go through a staging arena sized once per round and reused across rounds (and
+   calls, if the caller keeps it: first-touch allocation costs 0.3–0.6 s/GiB on this CPU).
 3. *Checksums* (optional): per message, crc32 of the bytes on the wire; the sender's
    crcs for a peer travel after that peer's data as one int64 tensor per round. A bad
    message is recorded, the schedule still runs to its end (so nobody hangs), and the
@@ -61,6 +69,10 @@ from .plan import STAGED, TransferPlan
 
 COALESCE_BYTES = 1 << 20
 """Transfers smaller than this travel packed with the pair's other small ones."""
+CHUNK_BYTES = 4 << 20
+"""A strided transfer larger than this travels as several messages of about this size."""
+SEND_SLOTS = 4
+"""Gloo: strided sends are packed into this many reused slots (a ring), not one buffer each."""
 ALIGN = 64
 """Byte alignment of pieces inside packed messages and the staging arena."""
 
@@ -122,7 +134,8 @@ class Message:
     """Transfers (plan indices) travelling together between this rank and ``peer``.
 
     ``offsets`` are the byte offsets of the pieces in a packed message; empty for a
-    single transfer sent as its own view.
+    single transfer sent as its own view. ``part``: ``(dim, start, length)`` when the
+    message carries only that slice of its one transfer's region (a chunk).
     """
 
     peer: int
@@ -130,6 +143,7 @@ class Message:
     transfers: tuple[int, ...]
     offsets: tuple[int, ...]
     nbytes: int
+    part: tuple[int, int, int] = ()
 
     @property
     def packed(self) -> bool:
@@ -141,7 +155,13 @@ def _aligned(n: int) -> int:
 
 
 def plan_messages(
-    plan: TransferPlan, indices: Iterable[int], *, peer_of: str, tags: dict[int, int], coalesce: int = COALESCE_BYTES
+    plan: TransferPlan,
+    indices: Iterable[int],
+    *,
+    peer_of: str,
+    tags: dict[int, int],
+    coalesce: int = COALESCE_BYTES,
+    chunk: int = 0,
 ) -> dict[int, list[Message]]:
     """Group one round's transfers into messages per peer, in sending order (pure).
 
@@ -150,7 +170,11 @@ def plan_messages(
     together (0: never). Order per peer: transfers whose source region
     is contiguous (sent without packing, so bytes flow at once), then the packed group of
     small transfers, then strided ones (packed just before sending); plan order within
-    each class. Sender and receiver compute the same list from the same plan.
+    each class. A transfer strided on either side and larger than ``chunk`` bytes (0:
+    never split) goes as consecutive slices of its first non-unit dimension of about
+    ``chunk`` bytes each: the sender packs each slice into a reused slot, and the receiver
+    unpacks each slice while later ones travel. Sender and receiver compute the same list
+    from the same plan.
     """
     by_peer: dict[int, list[int]] = defaultdict(list)
     for i in sorted(indices):
@@ -166,24 +190,47 @@ def plan_messages(
         direct = [[i] for i in big if _src_contiguous(plan, i)]
         strided = [[i] for i in big if not _src_contiguous(plan, i)]
         msgs = []
-        for group in [*direct, *([small] if small else []), *strided]:
+
+        def add(transfers, offsets, nbytes, part=()):
             tag = tags.get(peer, 0)
             tags[peer] = tag + 1
+            msgs.append(Message(peer, tag, transfers, offsets, nbytes, part))
+
+        for group in [*direct, *([small] if small else []), *strided]:
             if len(group) == 1:
-                msgs.append(Message(peer, tag, (group[0],), (), plan.transfers[group[0]].nbytes))
+                for part, nbytes in _parts(plan, group[0], chunk):
+                    add((group[0],), (), nbytes, part)
                 continue
             offsets, end = [], 0
             for i in group:
                 offsets.append(end)
                 end = _aligned(end + plan.transfers[i].nbytes)
-            msgs.append(Message(peer, tag, tuple(group), tuple(offsets), end))
+            add(tuple(group), tuple(offsets), end)
         out[peer] = msgs
     return out
+
+
+def _parts(plan: TransferPlan, i: int, chunk: int) -> list[tuple[tuple[int, int, int] | tuple[()], int]]:
+    """``[(part, nbytes)]`` of transfer ``i``: itself (``part == ()``), or slices of its
+    first non-unit dimension of about ``chunk`` bytes when it is strided and larger."""
+    t = plan.transfers[i]
+    lengths = tuple(t.item.lengths)
+    if not chunk or t.nbytes <= chunk or (_src_contiguous(plan, i) and _dst_contiguous(plan, i)):
+        return [((), t.nbytes)]
+    dim = next(d for d, n in enumerate(lengths) if n > 1)  # a strided region has one
+    step = t.nbytes // lengths[dim]  # bytes per index of ``dim``
+    rows = max(1, chunk // step)
+    return [((dim, a, min(rows, lengths[dim] - a)), min(rows, lengths[dim] - a) * step) for a in range(0, lengths[dim], rows)]
 
 
 def _src_contiguous(plan: TransferPlan, i: int) -> bool:
     t = plan.transfers[i]
     return region_is_contiguous(tuple(t.item.lengths), plan.src_buffers[t.src_rank][t.src_buffer].shape)
+
+
+def _dst_contiguous(plan: TransferPlan, i: int) -> bool:
+    t = plan.transfers[i]
+    return region_is_contiguous(tuple(t.item.lengths), plan.dst_buffers[t.dst_rank][t.dst_buffer].shape)
 
 
 # ------------------------------------------------------------------------------ rounds
@@ -337,6 +384,7 @@ class _Op:
     packed: bool
     work: object = None
     posted: float = 0.0
+    slot: int = -1  # a strided send's slot in the round's ring (-1: its own staging)
 
     def pack(self) -> None:
         _copy_pieces(self, to_wire=True)
@@ -366,6 +414,7 @@ class _Ctx:
     nccl: bool
     release: bool
     coalesce: int
+    chunk: int
     stats: StreamStats
     send_tags: dict[int, int] = field(default_factory=dict)
     recv_tags: dict[int, int] = field(default_factory=dict)
@@ -402,35 +451,50 @@ def _build(ctx: _Ctx, kind: str, msgs: Iterable[Message]) -> list[_Op]:
     for m in msgs:
         t = [ctx.plan.transfers[i] for i in m.transfers]
         views = [x.src_view(ctx.src) for x in t] if kind == "send" else [x.dst_view(ctx.dst) for x in t]
+        if m.part:
+            views = [views[0].narrow(*m.part)]
         packed = m.packed or not views[0].is_contiguous()
         ops.append(_Op(kind, m, m.peer, m.tag, views[0] if not packed else None, views, packed))
     return ops
 
 
-def _round_ops(ctx: _Ctx, ops) -> tuple[list[_Op], list[_Op]]:
-    """This round's receives and sends (peers in rotated order), staging carved out."""
+def _round_ops(ctx: _Ctx, ops) -> tuple[list[_Op], list[_Op], list[torch.Tensor]]:
+    """This round's receives, sends (peers in rotated order) and send ring, staging carved out.
+
+    On gloo a strided send (a chunk of at most about ``ctx.chunk`` bytes, see
+    :func:`plan_messages`) is packed into one of ``SEND_SLOTS`` ring slots, reused once the
+    send that held it completes; NCCL launches a round's ops together, so there every
+    packed message has its own staging. Receives always have their own (posted at once).
+    """
     plan = ctx.plan
     recv_ids = [i for i in ops.recvs if plan.transfers[i].src_rank != STAGED]
     _alloc(ctx, ops.allocs)
     _alloc(ctx, {plan.transfers[i].dst_buffer for i in (*recv_ids, *ops.copies)})
-    by_src = plan_messages(plan, recv_ids, peer_of="src_rank", tags=ctx.recv_tags, coalesce=ctx.coalesce)
-    by_dst = plan_messages(plan, ops.sends, peer_of="dst_rank", tags=ctx.send_tags, coalesce=ctx.coalesce)
+    chunk = 0 if ctx.nccl else ctx.chunk
+    by_src = plan_messages(plan, recv_ids, peer_of="src_rank", tags=ctx.recv_tags, coalesce=ctx.coalesce, chunk=chunk)
+    by_dst = plan_messages(plan, ops.sends, peer_of="dst_rank", tags=ctx.send_tags, coalesce=ctx.coalesce, chunk=chunk)
     world = max(len(ctx.group_rank), 1)
     recvs = _build(ctx, "recv", (m for p in sorted(by_src) for m in by_src[p]))
     sends = _build(ctx, "send", (m for p in sorted(by_dst, key=lambda p: (p - ctx.rank) % world) for m in by_dst[p]))
-    staged = sum(_aligned(op.msg.nbytes) for op in (*recvs, *sends) if op.packed)
+    ringed = [op for op in sends if op.packed and not op.msg.packed] if not ctx.nccl else []
+    slots = min(SEND_SLOTS, len(ringed))
+    slot_bytes = max((_aligned(op.msg.nbytes) for op in ringed), default=0)
+    for n, op in enumerate(ringed):
+        op.slot = n % slots
+    own = [op for op in (*recvs, *sends) if op.packed and op.slot < 0]
+    staged = sum(_aligned(op.msg.nbytes) for op in own) + slots * slot_bytes
     ctx.arena.reserve(staged)
     ctx.stats.staging_bytes = max(ctx.stats.staging_bytes, staged)
-    for op in (*recvs, *sends):
-        if op.packed:
-            op.tensor = ctx.arena.take(op.msg.nbytes)
+    for op in own:
+        op.tensor = ctx.arena.take(op.msg.nbytes)
+    ring = [ctx.arena.take(slot_bytes) for _ in range(slots)]
     if ctx.checksums:  # one int64 crc per message, per peer, after the data (next tag)
         device = ctx.arena.device
         for peers, tags, kind, out in ((by_src, ctx.recv_tags, "recv", recvs), (by_dst, ctx.send_tags, "send", sends)):
             for p in peers:
                 out.append(_Op(kind, None, p, tags[p], torch.zeros(len(peers[p]), dtype=torch.int64, device=device), [], False))
                 tags[p] += 1
-    return recvs, sends
+    return recvs, sends, ring
 
 
 def _post(ctx: _Ctx, op: _Op, batch: list) -> None:
@@ -448,17 +512,30 @@ def _post(ctx: _Ctx, op: _Op, batch: list) -> None:
 def _run_round(ctx: _Ctx, ops) -> None:
     """One round: allocate, post every receive, pack and send each message at once,
     local copies while bytes move, then wait (unpacking each arrival), then free."""
-    recvs, sends = _round_ops(ctx, ops)
+    recvs, sends, ring = _round_ops(ctx, ops)
     batch: list = []
+    deadline = time.monotonic() + ctx.timeout
     t = time.perf_counter()
     for op in recvs:
         _post(ctx, op, batch)
     crcs: dict[int, list[int]] = defaultdict(list)
+    holder: list[_Op | None] = [None] * len(ring)
+    copies = list(reversed(ops.copies))
     for op in sends:
         if op.msg is None:  # the peer's checksum tensor: its data messages are all posted
             op.tensor.copy_(torch.tensor(crcs[op.peer], dtype=torch.int64))
         elif op.packed:
             t = _tick(ctx, "post", t)
+            if op.slot >= 0:  # the slot's last send must be done; its peer posted its receives
+                last = holder[op.slot]  # at the start of this round, so it completes
+                while last is not None and copies and not last.work.is_completed():
+                    _copy(ctx, copies.pop())  # local copies fill the wait
+                t = _tick(ctx, "copy", t)
+                if last is not None:
+                    _wait(ctx, last, deadline, [])
+                    t = _tick(ctx, "slot", t)
+                holder[op.slot] = op
+                op.tensor = ring[op.slot].narrow(0, 0, op.msg.nbytes)
             op.pack()
             t = _tick(ctx, "pack", t)
         if ctx.checksums and op.msg is not None:
@@ -469,14 +546,19 @@ def _run_round(ctx: _Ctx, ops) -> None:
         for op, work in zip((*recvs, *sends), dist.batch_isend_irecv(batch)):
             op.work = work
     t = _tick(ctx, "post", t)
-    for i in ops.copies:
-        tr = ctx.plan.transfers[i]
-        tr.dst_view(ctx.dst).copy_(tr.src_view(ctx.src))
-        ctx.stats.bytes_copied += tr.nbytes
+    while copies:
+        _copy(ctx, copies.pop())
     _tick(ctx, "copy", t)
     _complete(ctx, ops.round, recvs, sends)
     for name in ops.frees if ctx.release else ():
         ctx.src.pop(name, None)
+
+
+def _copy(ctx: _Ctx, i: int) -> None:
+    """Local transfer ``i``: a copy between this rank's views."""
+    tr = ctx.plan.transfers[i]
+    tr.dst_view(ctx.dst).copy_(tr.src_view(ctx.src))
+    ctx.stats.bytes_copied += tr.nbytes
 
 
 def _complete(ctx: _Ctx, round_: int, recvs: list[_Op], sends: list[_Op]) -> None:
@@ -520,10 +602,14 @@ def _compare(ctx: _Ctx, round_: int, crc_op: _Op, data: list[_Op], got: list[int
 
 
 def _wait(ctx: _Ctx, op: _Op, deadline: float, later: list[_Op]) -> None:
-    """``op.work.wait`` until ``deadline``; a timeout or a failed peer is a TransferError
+    """``op.work.wait`` until ``deadline``, once per op (gloo counts completions: a second
+    wait on the same work would block); a timeout or a failed peer is a TransferError
     naming the peer, the tensors, and every message of the round not yet seen complete."""
+    if op.work is None:
+        return
     try:
         op.work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        op.work = None
     except RuntimeError as e:
         what = "checksums" if op.msg is None else _names(ctx, op.msg)
         rest = [f"{o.kind} {'from' if o.kind == 'recv' else 'to'} rank {o.peer} ({_names(ctx, o.msg, 2)})" for o in later if o.msg]
@@ -546,6 +632,7 @@ def execute_stream(
     release_sources: bool = False,
     staging: StagingArena | None = None,
     coalesce_bytes: int = COALESCE_BYTES,
+    chunk_bytes: int = CHUNK_BYTES,
     extra_error: tuple[str, str] | None = None,
 ) -> StreamResult:
     """Run this rank's part of ``plan`` over ``group`` (None: the default group).
@@ -555,6 +642,8 @@ def execute_stream(
     allocated). ``timeout``: seconds each round may take once its ops are posted.
     ``staging``: an arena to reuse across calls (None: a fresh one for this call).
     ``coalesce_bytes``: transfers below this share a packed message per peer (0: never).
+    ``chunk_bytes``: on gloo, strided transfers above this travel in slices of about
+    this size through the send ring (0: whole).
     ``extra_error``: a caller's own pre-check verdict ``(error class name, message)``,
     folded into the group's agreement (see :mod:`nereus.reshard.execute`).
     Every rank of the group must call this, even with nothing to do.
@@ -565,6 +654,8 @@ def execute_stream(
         raise ProcessGroupError(f"rank {dist.get_rank()} is not in the process group {members} it was asked to reshard over")
     rounds = rounds_for(plan, graph, rank)
     error = check_stream_inputs(plan, rounds, src_buffers, dst_buffers, rank=rank, members=members)
+    sizes = [f"{k}={v} is negative" for k, v in (("coalesce_bytes", coalesce_bytes), ("chunk_bytes", chunk_bytes)) if v < 0]
+    error = "; ".join(filter(None, [error, *sizes])) or None
     verdict = extra_error
     if error:
         verdict = ("ProcessGroupError", error + (f"; {extra_error[1]}" if extra_error else ""))
@@ -586,6 +677,7 @@ def execute_stream(
         nccl=_device(src_buffers, dst_buffers).type == "cuda" and "cuda:nccl" in dist.get_backend_config(group),
         release=release_sources,
         coalesce=coalesce_bytes,
+        chunk=chunk_bytes,
         stats=stats,
     )
     for ops in rounds:

@@ -67,9 +67,10 @@ def exact(plan, rank: int, out, src) -> list[str]:
 
 
 def _round_trips(rank: int, world: int, cases: list[dict], root: str) -> list:
-    """Every case three times: streamed between live ranks (small transfers packed
-    together, then each in its own message), and read back from a staged checkpoint of all
-    sources (plan with no live rank). Returns (case, executor, diffs)."""
+    """Every case four times: streamed between live ranks (small transfers packed
+    together; each in its own message; strided ones in many chunks, so the send ring's
+    slots are reused), and read back from a staged checkpoint of all sources (plan with no
+    live rank). Returns (case, executor, diffs)."""
     from nereus.reshard.execute import execute
     from nereus.reshard.staged import save_staged
     from nereus.reshard.stream import execute_stream
@@ -85,6 +86,9 @@ def _round_trips(rank: int, world: int, cases: list[dict], root: str) -> list:
         out = execute_stream(plan, graph_for(plan, max_messages=3), src, rank=rank, checksums=True, coalesce_bytes=0)
         if bad := exact(plan, rank, out, src):
             failures.append((k, "stream, one message per transfer", bad[:4]))
+        out = execute_stream(plan, graph_for(plan), src, rank=rank, checksums=True, coalesce_bytes=0, chunk_bytes=256)
+        if bad := exact(plan, rank, out, src):
+            failures.append((k, "stream, strided transfers in 256-byte chunks through the send ring", bad[:4]))
         path = f"{root}/case{k}"
         save_staged(path, plan.src_layouts, src, rank=rank, checksums=True)
         dist.barrier()
