@@ -21,9 +21,9 @@ Order of work on one rank, and why it cannot deadlock:
    On gloo, strided sends are packed into a ring of ``SEND_SLOTS`` reused slots; reusing
    a slot waits for the send that last held it, which only needs the peer's receive,
    posted when the peer entered the round, so that wait cannot deadlock either (local
-   copies fill it). The graph still counts a strided send's whole size on the sender:
-   for gloo an upper bound. NCCL launches a round's ops together, so there every packed
-   message has its own staging.
+   copies fill it). The graph still counts a strided send's whole size on the sender,
+   an upper bound of the ring's (each slot is as large as its largest message). NCCL
+   launches a round's ops together, so there every packed message has its own staging.
 2. *Messages.* A rank pair's transfers in a round go in one fixed order: those whose
    source region is contiguous (sent as their own view, no copy, so bytes flow at once),
    then one packed byte message of all transfers under ``COALESCE_BYTES`` (each piece at
@@ -476,18 +476,20 @@ def _round_ops(ctx: _Ctx, ops) -> tuple[list[_Op], list[_Op], list[torch.Tensor]
     world = max(len(ctx.group_rank), 1)
     recvs = _build(ctx, "recv", (m for p in sorted(by_src) for m in by_src[p]))
     sends = _build(ctx, "send", (m for p in sorted(by_dst, key=lambda p: (p - ctx.rank) % world) for m in by_dst[p]))
-    ringed = [op for op in sends if op.packed and not op.msg.packed] if not ctx.nccl else []
+    ringed = [op for op in sends if op.packed and not op.msg.packed] if chunk else []
     slots = min(SEND_SLOTS, len(ringed))
-    slot_bytes = max((_aligned(op.msg.nbytes) for op in ringed), default=0)
     for n, op in enumerate(ringed):
         op.slot = n % slots
+    # slot k is as large as the largest of its messages, so the ring never needs more
+    # than separate buffers would: the graph's per-transfer count stays an upper bound
+    sizes = [max(_aligned(op.msg.nbytes) for op in ringed[k::slots]) for k in range(slots)]
     own = [op for op in (*recvs, *sends) if op.packed and op.slot < 0]
-    staged = sum(_aligned(op.msg.nbytes) for op in own) + slots * slot_bytes
+    staged = sum(_aligned(op.msg.nbytes) for op in own) + sum(sizes)
     ctx.arena.reserve(staged)
     ctx.stats.staging_bytes = max(ctx.stats.staging_bytes, staged)
     for op in own:
         op.tensor = ctx.arena.take(op.msg.nbytes)
-    ring = [ctx.arena.take(slot_bytes) for _ in range(slots)]
+    ring = [ctx.arena.take(n) for n in sizes]
     if ctx.checksums:  # one int64 crc per message, per peer, after the data (next tag)
         device = ctx.arena.device
         for peers, tags, kind, out in ((by_src, ctx.recv_tags, "recv", recvs), (by_dst, ctx.send_tags, "send", sends)):
@@ -643,7 +645,7 @@ def execute_stream(
     ``staging``: an arena to reuse across calls (None: a fresh one for this call).
     ``coalesce_bytes``: transfers below this share a packed message per peer (0: never).
     ``chunk_bytes``: on gloo, strided transfers above this travel in slices of about
-    this size through the send ring (0: whole).
+    this size through the send ring (0: whole, each packed message in its own staging).
     ``extra_error``: a caller's own pre-check verdict ``(error class name, message)``,
     folded into the group's agreement (see :mod:`nereus.reshard.execute`).
     Every rank of the group must call this, even with nothing to do.
