@@ -187,8 +187,9 @@ def plan_messages(
         big = [i for i in idx if plan.transfers[i].nbytes >= coalesce]
         if len(small) == 1:
             big, small = sorted(big + small), []
-        direct = [[i] for i in big if _src_contiguous(plan, i)]
-        strided = [[i] for i in big if not _src_contiguous(plan, i)]
+        contiguous = {i: _contiguous(plan, i, "src") for i in big}
+        direct = [[i] for i in big if contiguous[i]]
+        strided = [[i] for i in big if not contiguous[i]]
         msgs = []
 
         def add(transfers, offsets, nbytes, part=()):
@@ -198,7 +199,7 @@ def plan_messages(
 
         for group in [*direct, *([small] if small else []), *strided]:
             if len(group) == 1:
-                for part, nbytes in _parts(plan, group[0], chunk):
+                for part, nbytes in _parts(plan, group[0], chunk, contiguous[group[0]]):
                     add((group[0],), (), nbytes, part)
                 continue
             offsets, end = [], 0
@@ -210,12 +211,12 @@ def plan_messages(
     return out
 
 
-def _parts(plan: TransferPlan, i: int, chunk: int) -> list[tuple[tuple[int, int, int] | tuple[()], int]]:
+def _parts(plan: TransferPlan, i: int, chunk: int, src_contiguous: bool) -> list[tuple[tuple[int, ...], int]]:
     """``[(part, nbytes)]`` of transfer ``i``: itself (``part == ()``), or slices of its
     first non-unit dimension of about ``chunk`` bytes when it is strided and larger."""
     t = plan.transfers[i]
     lengths = tuple(t.item.lengths)
-    if not chunk or t.nbytes <= chunk or (_src_contiguous(plan, i) and _dst_contiguous(plan, i)):
+    if not chunk or t.nbytes <= chunk or (src_contiguous and _contiguous(plan, i, "dst")):
         return [((), t.nbytes)]
     dim = next(d for d, n in enumerate(lengths) if n > 1)  # a strided region has one
     step = t.nbytes // lengths[dim]  # bytes per index of ``dim``
@@ -223,14 +224,14 @@ def _parts(plan: TransferPlan, i: int, chunk: int) -> list[tuple[tuple[int, int,
     return [((dim, a, min(rows, lengths[dim] - a)), min(rows, lengths[dim] - a) * step) for a in range(0, lengths[dim], rows)]
 
 
-def _src_contiguous(plan: TransferPlan, i: int) -> bool:
+def _contiguous(plan: TransferPlan, i: int, side: str) -> bool:
+    """Whether transfer ``i``'s region is one span of its ``side`` (``"src"``/``"dst"``) buffer."""
     t = plan.transfers[i]
-    return region_is_contiguous(tuple(t.item.lengths), plan.src_buffers[t.src_rank][t.src_buffer].shape)
-
-
-def _dst_contiguous(plan: TransferPlan, i: int) -> bool:
-    t = plan.transfers[i]
-    return region_is_contiguous(tuple(t.item.lengths), plan.dst_buffers[t.dst_rank][t.dst_buffer].shape)
+    if side == "src":
+        shape = plan.src_buffers[t.src_rank][t.src_buffer].shape
+    else:
+        shape = plan.dst_buffers[t.dst_rank][t.dst_buffer].shape
+    return region_is_contiguous(tuple(t.item.lengths), shape)
 
 
 # ------------------------------------------------------------------------------ rounds

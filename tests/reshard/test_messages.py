@@ -11,7 +11,7 @@ import pytest
 from nereus.reshard.derive import derive_emus
 from nereus.reshard.layout import ParallelConfig
 from nereus.reshard.plan import plan_transfers
-from nereus.reshard.stream import _dst_contiguous, _src_contiguous, plan_messages
+from nereus.reshard.stream import _contiguous, plan_messages
 
 from .strategies import tiny_spec
 
@@ -59,10 +59,10 @@ def test_sender_and_receiver_agree_and_chunks_tile_each_region(name, chunk):
         for i, msgs in by_transfer.items():
             t = plan.transfers[i]
             if len(msgs) == 1 and not msgs[0].part:
-                assert not chunk or t.nbytes <= chunk or (_src_contiguous(plan, i) and _dst_contiguous(plan, i))
+                assert not chunk or t.nbytes <= chunk or (_contiguous(plan, i, "src") and _contiguous(plan, i, "dst"))
                 continue
             split += 1
-            assert chunk and not (_src_contiguous(plan, i) and _dst_contiguous(plan, i)), t.tensor
+            assert chunk and not (_contiguous(plan, i, "src") and _contiguous(plan, i, "dst")), t.tensor
             dims = {m.part[0] for m in msgs}
             assert len(dims) == 1
             (dim,) = dims
