@@ -9,7 +9,8 @@ order, and ``estimate_transfers`` reproduces it), as int64/bool numpy arrays:
 - ``src_contig`` / ``dst_contig``: whether the region is one contiguous span of its buffer.
   Row-major: a region of lengths ``L`` in a buffer of shape ``E`` is contiguous iff, after
   the first dim ``i`` with ``L[i] > 1``, every later dim has ``L[j] == E[j]``. A staged
-  source counts as contiguous (nothing is packed on a sender).
+  source counts as contiguous (nothing is packed on a sender); a dtype cast as strided
+  on its sender (it is packed, converted, into a send buffer).
 
 The buffer tables list every (rank, buffer) of the transition, including buffers no
 transfer touches (they still occupy memory), ordered by rank and then as
@@ -115,7 +116,8 @@ def arrays_from_plan(plan: TransferPlan) -> TransferArrays:
             cols["src_buf"][i] = -1
         else:
             cols["src_buf"][i] = src_index[t.src_rank, t.src_buffer]
-            src_contig[i] = region_is_contiguous(lengths, plan.src_buffers[t.src_rank][t.src_buffer].shape)
+            # a cast is packed (and converted) on the sender, whatever its region's shape
+            src_contig[i] = not plan.casts(t) and region_is_contiguous(lengths, plan.src_buffers[t.src_rank][t.src_buffer].shape)
     return TransferArrays(
         **cols, src_contig=src_contig, dst_contig=dst_contig, src_buffers=src_table, dst_buffers=dst_table
     )

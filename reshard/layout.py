@@ -278,6 +278,14 @@ class EMU:
         """Bytes of one copy of the state (replicas inside the EMU not counted)."""
         return sum(t.nbytes for t in self.tensors)
 
+    def params_only(self) -> EMU:
+        """This EMU without its optimizer state (``optim/...`` tensors): what a weight sync moves."""
+        tensors = tuple(t for t in self.tensors if not t.name.startswith("optim/"))
+        if tensors == self.tensors:
+            return self
+        fields = {f: getattr(self, f) for f in ("model", "stage", "replica", "config", "ranks", "version")}
+        return EMU.trusted(**fields, tensors=tensors)
+
 
 # ----------------------------------------------------------------------------- buffers
 

@@ -19,6 +19,11 @@ Choice of sender, for a source box held by several ranks (replicas):
    vectorized estimator reproduces it exactly);
 3. no live holder: the staged checkpoint (``src_rank == STAGED``) when one exists,
    else a :class:`CoverageError` naming the tensor and the region.
+
+Dtype casts (``cast=True``): a floating-point tensor may change dtype on the way, e.g.
+float32 master weights into a bf16 rollout layout. A transfer's ``nbytes`` are then the
+TARGET's bytes: the sender casts while it packs (so the wire carries the target dtype),
+a local copy casts in its ``copy_``, and a staged read in its copy into the target.
 """
 
 from __future__ import annotations
@@ -108,6 +113,10 @@ class TransferPlan:
             out[t.src_rank, t.dst_rank] += t.nbytes
         return dict(out)
 
+    def casts(self, t: Transfer) -> bool:
+        """Whether transfer ``t`` changes its tensor's dtype (``plan_transfers(cast=True)``)."""
+        return self.src_layouts[t.tensor].dtype != self.layouts[t.tensor].dtype
+
     def for_rank(self, rank: int) -> tuple[list[Transfer], list[Transfer]]:
         """(sends, receives) of ``rank``; a local copy is in both."""
         sends = [t for t in self.transfers if t.src_rank == rank]
@@ -138,16 +147,19 @@ def merge_layouts(emus: Sequence[EMU], side: str) -> dict[str, TensorLayout]:
     }
 
 
-def check_compatible(src: dict[str, TensorLayout], dst: dict[str, TensorLayout]) -> None:
-    """Every target tensor must exist in the source with the same global shape and dtype."""
+def check_compatible(src: dict[str, TensorLayout], dst: dict[str, TensorLayout], *, cast: bool = False) -> None:
+    """Every target tensor must exist in the source with the same global shape and dtype
+    (with ``cast``: or both dtypes floating point)."""
     for name, t in dst.items():
         s = src.get(name)
         if s is None:
             raise MismatchError(f"target tensor {name!r} is not in the source EMUs")
         if s.shape != t.shape:
             raise MismatchError(f"tensor {name!r}: source shape {s.shape} != target shape {t.shape}")
-        if s.dtype != t.dtype:
-            raise MismatchError(f"tensor {name!r}: source dtype {s.dtype} != target dtype {t.dtype}")
+        floats = DTYPES[s.dtype].is_floating_point and DTYPES[t.dtype].is_floating_point
+        if s.dtype != t.dtype and not (cast and floats):
+            hint = "" if cast or not floats else " (plan with cast=True to convert)"
+            raise MismatchError(f"tensor {name!r}: source dtype {s.dtype} != target dtype {t.dtype}{hint}")
 
 
 def storage_metadata(layout: TensorLayout, boxes: Iterable[tuple[Dims, Dims]]) -> TensorStorageMetadata:
@@ -249,16 +261,18 @@ def plan_transfers(
     live: Collection[int] | None = None,
     staged: bool = False,
     ranks: Collection[int] | None = None,
+    cast: bool = False,
 ) -> TransferPlan:
     """The exact overlap plan from ``sources`` to ``targets``.
 
     ``live``: source ranks that can send (None: all). ``staged``: a checkpoint of the whole
     source state exists, so regions with no live holder are read from it. ``ranks``: plan
     only what these ranks send or receive (one rank's plan at scale); None plans all.
+    ``cast``: floating-point tensors may change dtype (module docstring).
     """
     src = merge_layouts(sources, "source")
     dst = merge_layouts(targets, "target")
-    check_compatible(src, dst)
+    check_compatible(src, dst, cast=cast)
     wanted = None if ranks is None else set(ranks)
     names = list(dst) if wanted is None else _tensors_touching(src, dst, wanted)
     salts = {name: i for i, name in enumerate(dst)}

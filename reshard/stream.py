@@ -168,7 +168,8 @@ def plan_messages(
     ``peer_of`` is ``"dst_rank"`` for sends and ``"src_rank"`` for receives; ``tags``
     maps peer -> next tag and is advanced; transfers under ``coalesce`` bytes are packed
     together (0: never). Order per peer: transfers whose source region
-    is contiguous (sent without packing, so bytes flow at once), then the packed group of
+    is contiguous and keeps its dtype (sent without packing, so bytes flow at once; a
+    dtype cast is packed, converted, like a strided region), then the packed group of
     small transfers, then strided ones (packed just before sending); plan order within
     each class. A transfer strided on either side and larger than ``chunk`` bytes (0:
     never split) goes as consecutive slices of its first non-unit dimension of about
@@ -187,7 +188,7 @@ def plan_messages(
         big = [i for i in idx if plan.transfers[i].nbytes >= coalesce]
         if len(small) == 1:
             big, small = sorted(big + small), []
-        contiguous = {i: _contiguous(plan, i, "src") for i in big}
+        contiguous = {i: _contiguous(plan, i, "src") and not plan.casts(plan.transfers[i]) for i in big}
         direct = [[i] for i in big if contiguous[i]]
         strided = [[i] for i in big if not contiguous[i]]
         msgs = []
@@ -366,11 +367,6 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``raw`` bytes viewed with ``like``'s dtype and shape."""
-    return raw.view(like.dtype).view(like.shape)
-
-
 @dataclass(slots=True)
 class _Op:
     """One posted message: ``tensor`` travels; ``views`` are its transfers' regions;
@@ -386,6 +382,7 @@ class _Op:
     work: object = None
     posted: float = 0.0
     slot: int = -1  # a strided send's slot in the round's ring (-1: its own staging)
+    wire: list[torch.dtype] = field(default_factory=list)  # per view, its dtype on the wire (the target's)
 
     def pack(self) -> None:
         _copy_pieces(self, to_wire=True)
@@ -395,9 +392,11 @@ class _Op:
 
 
 def _copy_pieces(op: _Op, *, to_wire: bool) -> None:
+    """Pack (``to_wire``: views -> message bytes, casting to the wire dtype) or unpack."""
     offsets = op.msg.offsets or (0,)
-    for off, view in zip(offsets, op.views):
-        wire = _typed(op.tensor.narrow(0, off, view.numel() * view.element_size()), view)
+    for off, view, dtype in zip(offsets, op.views, op.wire or [v.dtype for v in op.views]):
+        raw = op.tensor.narrow(0, off, view.numel() * dtype.itemsize)
+        wire = raw.view(dtype).view(view.shape)
         (wire.copy_(view) if to_wire else view.copy_(wire))
 
 
@@ -454,8 +453,9 @@ def _build(ctx: _Ctx, kind: str, msgs: Iterable[Message]) -> list[_Op]:
         views = [x.src_view(ctx.src) for x in t] if kind == "send" else [x.dst_view(ctx.dst) for x in t]
         if m.part:
             views = [views[0].narrow(*m.part)]
-        packed = m.packed or not views[0].is_contiguous()
-        ops.append(_Op(kind, m, m.peer, m.tag, views[0] if not packed else None, views, packed))
+        wire = [DTYPES[ctx.plan.layouts[x.tensor].dtype] for x in t]  # the target's dtype
+        packed = m.packed or not views[0].is_contiguous() or views[0].dtype != wire[0]
+        ops.append(_Op(kind, m, m.peer, m.tag, views[0] if not packed else None, views, packed, wire=wire))
     return ops
 
 

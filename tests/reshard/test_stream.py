@@ -215,3 +215,89 @@ TRAINER_TRANSITIONS = [
 def test_trainer_transitions_are_exact():
     results = run_distributed(_transitions, WORLD, TRAINER_TRANSITIONS, timeout=150)
     assert [f for per_rank in results for f in per_rank] == []
+
+
+# ----------------------------------------------------------------------------- dtype casts
+
+
+def _cast_expected(plan, rank: int, out) -> list[str]:
+    """Target shards against the SOURCE dtype's reference values cast to the target dtype."""
+    from nereus.reshard.layout import DTYPES, buffer_name, shard_view
+    from nereus.reshard.reference import reference_box
+
+    bad = []
+    for layout in plan.layouts.values():
+        src_dtype = plan.src_layouts[layout.name].dtype
+        for shard in (s for s in layout.shards if s.rank == rank):
+            want = reference_box(layout.name, layout.shape, src_dtype, shard.offsets, shard.lengths).to(DTYPES[layout.dtype])
+            got = shard_view(out, layout, shard)
+            if buffer_name(layout, shard) not in out or got.dtype != want.dtype or not torch.equal(got, want):
+                bad.append(f"{layout.name} at {shard.offsets} on rank {rank}")
+    return bad
+
+
+def _casts(rank: int, world: int, cases: list[tuple[str, dict]], root: str) -> list:
+    """float32 training layouts into bfloat16 ones (the weight sync's cast): streamed three
+    ways and read from a staged checkpoint, every element equal to the cast source."""
+    from nereus.reshard.execute import execute
+    from nereus.reshard.staged import save_staged
+    from nereus.reshard.stream import execute_stream
+
+    failures = []
+    for k, (name, case) in enumerate(cases):
+        spec = tiny_spec(**LLAMA)
+        sources = derive_emus(spec, ParallelConfig.on(**case["src"]), model="actor", stage="train", **case.get("src_kw", {}))
+        bf16 = tiny_spec(**LLAMA, dtype="bfloat16")
+        targets = derive_emus(bf16, ParallelConfig.on(**case["dst"]), model="actor", stage="gen", **case.get("dst_kw", {}))
+        plan = plan_transfers(sources, targets, cast=True)
+        src = reference_state(plan.src_layouts.values(), rank)
+        for how, run in (
+            ("stream", lambda: execute(plan, graph_for(plan), src, rank=rank, checksums=True)),
+            ("one message per transfer", lambda: execute_stream(plan, graph_for(plan), src, rank=rank, coalesce_bytes=0)),
+            ("256-byte chunks", lambda: execute_stream(plan, graph_for(plan), src, rank=rank, chunk_bytes=256)),
+        ):
+            if bad := _cast_expected(plan, rank, run()):
+                failures.append((name, how, bad[:4]))
+        path = f"{root}/case{k}"
+        save_staged(path, plan.src_layouts, src, rank=rank)
+        dist.barrier()
+        staged = plan_transfers(sources, targets, live=set(), staged=True, cast=True)
+        if bad := _cast_expected(staged, rank, execute(staged, graph_for(staged), src, rank=rank, staged_path=path)):
+            failures.append((name, "staged", bad[:4]))
+    return failures
+
+
+CASTS = [
+    ("dp2xtp2 fp32 -> tp4 fused bf16", dict(src=dict(dp=2, tp=2), dst=dict(tp=4), dst_kw=dict(fused=True))),
+    ("fsdp dp4 fp32 -> dp2xtp2 bf16", dict(src=dict(dp=4), src_kw=dict(dp_shard=True), dst=dict(dp=2, tp=2))),
+    ("tp2xpp2 fp32 -> dp4 bf16", dict(src=dict(tp=2, pp=2), dst=dict(dp=4))),
+]
+
+
+@pytest.mark.timeout(180)
+def test_float32_masters_cast_into_bfloat16_layouts_exactly():
+    root = tempfile.mkdtemp(prefix="nereus-test-", dir="/dev/shm")
+    try:
+        results = run_distributed(_casts, WORLD, CASTS, root, timeout=150)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert [f for per_rank in results for f in per_rank] == []
+
+
+def test_a_dtype_change_needs_cast_and_only_floats_cast():
+    from nereus.reshard.errors import MismatchError
+    from nereus.reshard.layout import Shard, TensorLayout
+
+    spec = tiny_spec(**LLAMA)
+    src = derive_emus(spec, ParallelConfig.on(tp=2), model="actor", stage="train")
+    dst = derive_emus(tiny_spec(**LLAMA, dtype="bfloat16"), ParallelConfig.on(tp=2), model="actor", stage="gen")
+    with pytest.raises(MismatchError, match=r"source dtype float32 != target dtype bfloat16 \(plan with cast=True to convert\)"):
+        plan_transfers(src, dst)
+    plan = plan_transfers(src, dst, cast=True)
+    assert all(plan.casts(t) for t in plan.transfers)
+    held = sum(b.nbytes for bufs in plan.dst_buffers.values() for b in bufs.values())  # every rank's bf16 buffers
+    assert sum(t.nbytes for t in plan.transfers) == held  # a transfer counts the target's bytes
+    ints = [emu_of([TensorLayout(name="x", shape=(4,), dtype=d, shards=(Shard(rank=0, offsets=(0,), lengths=(4,)),))], 1)
+            for d in ("int64", "float32")]
+    with pytest.raises(MismatchError, match="source dtype int64 != target dtype float32"):
+        plan_transfers([ints[0]], [ints[1]], cast=True)
