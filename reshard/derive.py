@@ -79,6 +79,10 @@ class DecoderSpec:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in config:
                 raise ValueError(f"config.json lacks {key!r}")
+        if model_type == "llama" and config.get("attention_bias"):
+            # HF's (and vLLM's) Llama puts this bias on q, k, v AND o_proj; this decoder has
+            # no o_proj bias (q/k/v biases alone are the qwen2 family)
+            raise ValueError(f"config.json attention_bias={config['attention_bias']!r}: a Llama o_proj bias is not supported")
         architecture = (config.get("architectures") or ["ForCausalLM"])[0]
         heads = config["num_attention_heads"]
         return cls(
@@ -97,7 +101,11 @@ class DecoderSpec:
 
     def to_hf_config(self, model_type: str = "llama") -> dict:
         """The shape keys of a ``config.json`` (``from_hf_config`` of it gives back ``self``);
-        the trainer's ``ModelArgs.to_hf_config`` adds what only the forward needs."""
+        the trainer's ``ModelArgs.to_hf_config`` adds what only the forward needs. q/k/v biases
+        are written as the qwen2 family whatever ``model_type`` says: HF's Llama has no
+        q/k/v-only bias (its ``attention_bias`` adds one to o_proj too)."""
+        if self.qkv_bias:
+            model_type = "qwen2"
         family = {"llama": "Llama", "qwen2": "Qwen2"}[model_type]
         config = {
             "architectures": [family + ("ForTokenClassification" if self.head == "value" else "ForCausalLM")],
@@ -113,10 +121,11 @@ class DecoderSpec:
         }
         if self.head_dim is not None:
             config["head_dim"] = self.head_dim
-        if model_type == "llama":  # Qwen2 always has q/k/v biases
-            config["attention_bias"] = self.qkv_bias
-        if self.head == "value":
+        if model_type == "llama":  # no biases (Qwen2 always has q/k/v biases)
+            config["attention_bias"] = False
+        if self.head == "value":  # one label; HF's token-classification score has a bias unless told
             config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+            config["token_classification_bias"] = False
         return config
 
 

@@ -145,12 +145,13 @@ class ModelArgs:
         )
 
     def to_hf_config(self) -> dict:
-        """The HuggingFace ``config.json`` dict; ``from_hf_config`` of it gives back ``self``."""
+        """The HuggingFace ``config.json`` dict; ``from_hf_config`` of it gives back ``self``
+        (with ``model_type="qwen2"`` when q/k/v have biases: the family HF has for them)."""
         config = self.spec.to_hf_config(self.model_type)
         config.update(hidden_act="silu", max_position_embeddings=self.max_seq_len, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta)
         if self.rope_scaling is not None:
             config["rope_scaling"] = self.rope_scaling.to_hf()
-        if self.model_type == "qwen2":
+        if config["model_type"] == "qwen2":
             config["use_sliding_window"] = False
         return config
 
