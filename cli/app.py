@@ -50,6 +50,9 @@ app.command()(convert)
 from nereus.cli.inspect import inspect  # noqa: E402
 
 app.command()(inspect)
+from nereus.cli.configs import configs  # noqa: E402
+
+app.command()(configs)
 
 
 def main() -> None:

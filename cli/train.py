@@ -9,22 +9,20 @@ from typing import List, Optional
 
 import typer
 
+from nereus.cli.configs import resolve_config, shipped_config
+
 DEFAULT_CONFIG = "tiny_ppo.yaml"
 
 
 def default_config() -> Path:
-    """configs/tiny_ppo.yaml of this checkout (or of the current directory)."""
-    import nereus
-
-    for base in (Path(nereus.__file__).resolve().parent.parent, Path.cwd()):
-        path = base / "configs" / DEFAULT_CONFIG
-        if path.is_file():
-            return path
-    raise typer.BadParameter(f"no config given and configs/{DEFAULT_CONFIG} not found", param_hint="CONFIG")
+    """The shipped configs/tiny_ppo.yaml (package data of ``nereus.configs``)."""
+    return shipped_config(DEFAULT_CONFIG)
 
 
 def train(
-    config: Optional[Path] = typer.Argument(None, help="Job config (YAML). Default: configs/tiny_ppo.yaml."),
+    config: Optional[str] = typer.Argument(
+        None, help="Job config: a YAML file, or a shipped config's name (`nereus configs`). Default: tiny_ppo."
+    ),
     set_: List[str] = typer.Option([], "--set", help="Override a config key: --set ppo.lr=1e-4 (repeatable)."),
     nproc: Optional[int] = typer.Option(None, help="Local worker processes (default: the config's nproc)."),
     run_dir: Optional[str] = typer.Option(None, help="Where metrics, TensorBoard logs and checkpoints go."),
@@ -41,7 +39,7 @@ def train(
     if run_dir is not None:
         overrides.append(f"run_dir={run_dir}")
     try:
-        cfg = load_config(config or default_config(), overrides)
+        cfg = load_config(resolve_config(config) if config else default_config(), overrides)
         resolve_device(cfg)  # device: cuda needs a GPU per local worker; fail here, before any launch
     except (ConfigError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)

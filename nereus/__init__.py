@@ -2,7 +2,7 @@
 
 The sub-packages live in root folders mapped here by pyproject.toml:
 ``nereus.reshard`` (reshard/), ``nereus.store`` (store/), ``nereus.trainer``
-(trainer/), ``nereus.cli`` (cli/).
+(trainer/), ``nereus.cli`` (cli/), ``nereus.configs`` (configs/: job configs as package data).
 """
 
 import os as _os

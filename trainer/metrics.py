@@ -40,16 +40,27 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class MetricsLog:
-    """Appends metrics; resumes append to the same files (earlier lines are kept)."""
+    """Writes each step's metrics to ``metrics.jsonl`` and TensorBoard, each step once.
+
+    A run that starts after step ``first_step`` (a resume from that step's checkpoint)
+    first cuts ``metrics.jsonl`` back to its lines with ``step <= first_step`` (atomically:
+    temporary file, then ``os.replace``; a torn line, not valid JSON, goes too) and opens
+    TensorBoard with ``purge_step=first_step + 1``: readers then discard the events of
+    later steps that an earlier attempt logged before it crashed. A fresh run
+    (``first_step=0``) therefore empties a ``metrics.jsonl`` left in the run directory by
+    an earlier run, since it restarts at step 1, and purges from step 1 (the old event files
+    stay on disk; TensorBoard no longer shows their steps).
+    """
 
     def __init__(self, run_dir: str, *, total: int, first_step: int = 0) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        _cut_lines(self.path, first_step)
         self.file = open(self.path, "a", buffering=1)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=first_step + 1)
         except ImportError:  # tensorboard is a dependency; tolerate its absence in slim installs
             self.tb = None
         self.bar = _bar(total, first_step)
@@ -71,6 +82,27 @@ class MetricsLog:
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def _cut_lines(path: str, last_step: int) -> None:
+    """Keep only the valid JSON lines of ``path`` with ``step <= last_step``, atomically
+    (one writer: rank 0 of the job that owns the run directory)."""
+    kept = []
+    if last_step > 0 and os.path.exists(path):
+        with open(path) as f:
+            kept = [line.rstrip("\n") + "\n" for line in f if (step := _step(line)) is not None and step <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def _step(line: str) -> int | None:
+    """The ``step`` of one metrics line, or None for a torn (not JSON) line."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _bar(total: int, first: int):

@@ -1,0 +1,1 @@
+"""Tests of nereus.cli (commands run through Typer's CliRunner)."""
