@@ -44,7 +44,7 @@ import numpy as np
 from .arrays import BufferTable, TransferArrays
 from .errors import CoverageError, LayoutError, MismatchError
 from .layout import EMU, TensorLayout, itemsize
-from .plan import STAGED
+from .plan import STAGED, check_compatible
 
 
 _shards = attrgetter("shards")
@@ -109,15 +109,9 @@ def _merge(emus: Sequence[EMU], side: str) -> dict[str, list[TensorLayout]]:
     return groups
 
 
-def _check_compatible(src: dict[str, list[TensorLayout]], dst: dict[str, list[TensorLayout]]) -> None:
-    for name, group in dst.items():
-        t, s = group[0], src.get(name)
-        if s is None:
-            raise MismatchError(f"target tensor {name!r} is not in the source EMUs")
-        if s[0].shape != t.shape:
-            raise MismatchError(f"tensor {name!r}: source shape {s[0].shape} != target shape {t.shape}")
-        if s[0].dtype != t.dtype:
-            raise MismatchError(f"tensor {name!r}: source dtype {s[0].dtype} != target dtype {t.dtype}")
+def _check_compatible(src: dict[str, list[TensorLayout]], dst: dict[str, list[TensorLayout]], cast: bool) -> None:
+    """``plan.check_compatible`` on the merged groups (its messages and its cast rule)."""
+    check_compatible({n: g[0] for n, g in src.items()}, {n: g[0] for n, g in dst.items()}, cast=cast)
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -285,14 +279,17 @@ def estimate_transfers(
     *,
     live: Collection[int] | None = None,
     staged: bool = False,
+    cast: bool = False,
 ) -> TransferArrays:
-    """The transfers of ``plan_transfers(sources, targets, live=live, staged=staged)``, row for row.
+    """The transfers of ``plan_transfers(sources, targets, live=live, staged=staged, cast=cast)``,
+    row for row.
 
     Rows come in plan order and the buffer tables in ``arrays_from_plan``'s order, so the
-    result equals ``arrays_from_plan(plan_transfers(...))`` array for array.
+    result equals ``arrays_from_plan(plan_transfers(...))`` array for array (a cast counts
+    the target's bytes and is strided on its sender, as there).
     """
     src_groups, dst_groups = _merge(sources, "source"), _merge(targets, "target")
-    _check_compatible(src_groups, dst_groups)
+    _check_compatible(src_groups, dst_groups, cast)
     dims = max([1] + [len(g[0].shape) for g in chain(src_groups.values(), dst_groups.values())])
     src, dst = _side(src_groups, dims), _side(dst_groups, dims)
     dst_index = {name: i for i, name in enumerate(dst.names)}
@@ -321,6 +318,7 @@ def estimate_transfers(
     _check_coverage(dst, cd, i_len, pair, n_alive, staged, orphan)
     is_staged = holder < 0
     sizes = np.array([itemsize(d) for d in dst.dtypes], dtype=np.int64)
+    casts = np.array([src_groups[n][0].dtype != d for n, d in zip(dst.names, dst.dtypes)] + [False], dtype=bool)
     region = i_len[pair]
     return TransferArrays(
         src=np.where(is_staged, STAGED, src.rank[holder]),
@@ -328,7 +326,7 @@ def estimate_transfers(
         nbytes=region.prod(axis=1) * sizes[tensor],
         src_buf=np.where(is_staged, -1, src.buf[holder]),
         dst_buf=dst.buf[shard],
-        src_contig=is_staged | _contiguous(region, src.box_len[cs[pair]]),
+        src_contig=is_staged | (~casts[tensor] & _contiguous(region, src.box_len[cs[pair]])),
         dst_contig=_contiguous(region, dst.box_len[cd[pair]]),
         src_buffers=src.table,
         dst_buffers=dst.table,

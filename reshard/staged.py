@@ -421,4 +421,5 @@ def load_staged(
             if cause is None:
                 raise
             raise cause from e
-    return sum(t.nbytes for t in transfers)
+    # bytes read: the source's dtype, which a cast (plan_transfers(cast=True)) may not share with the target
+    return sum(math.prod(t.item.lengths) * itemsize(plan.src_layouts[t.tensor].dtype) for t in transfers)

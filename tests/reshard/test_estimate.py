@@ -206,3 +206,14 @@ def test_estimate_is_deterministic():
     a = estimate_transfers(emus((2, 2, 2)), emus((1, 4, 2)), live=live, staged=True)
     b = estimate_transfers(emus((2, 2, 2)), emus((1, 4, 2)), live=live, staged=True)
     assert_same(a, b)
+
+
+@pytest.mark.parametrize("a, b", PAIRS)
+@pytest.mark.parametrize("kb", [dict(), dict(fused=True), dict(dp_shard=True)])
+def test_float32_into_bfloat16_casts_match_the_exact_plan(a, b, kb):
+    """The weight sync's cast: target bytes, and every cast strided on its sender."""
+    sources, targets = emus(a, optimizer=True), emus(b, first_rank=1, dtype="bfloat16", **kb)
+    check(sources, targets)  # without cast=True: the same MismatchError on both
+    estimated = check(sources, targets, cast=True)
+    remote = estimated.src != STAGED
+    assert not estimated.src_contig[remote].any()
