@@ -27,6 +27,7 @@ def train(
     nproc: Optional[int] = typer.Option(None, help="Local worker processes (default: the config's nproc)."),
     run_dir: Optional[str] = typer.Option(None, help="Where metrics, TensorBoard logs and checkpoints go."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest committed checkpoint in the run dir."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run dir that holds an earlier run's checkpoints (they are deleted)."),
 ) -> None:
     """Post-train with PPO or GRPO, each model-stage in its own TP/PP/DP layout."""
     from nereus.launch import launch_local, under_torchrun
@@ -49,6 +50,8 @@ def train(
         if model is not None and model.path and not Path(model.path).is_dir():
             typer.echo(f"error: {key}.path {model.path!r} does not exist (a HuggingFace model directory)", err=True)
             raise typer.Exit(2)
+    if not resume:
+        _fresh_run_dir(cfg.run_dir, overwrite)
     if under_torchrun():
         last = run_worker(cfg, resume)
     else:
@@ -58,3 +61,29 @@ def train(
         raise typer.Exit(1)
     typer.echo(json.dumps({k: last[k] for k in ("step", "reward_mean", "kl", "tokens_per_s") if k in last}))
     typer.echo(f"metrics: {Path(cfg.run_dir) / 'metrics.jsonl'}")
+
+
+def _fresh_run_dir(run_dir: str, overwrite: bool) -> None:
+    """A fresh run must not share its run dir with an earlier run's checkpoints: a later
+    ``--resume`` would pick the newest of either. Refuse, or with ``--overwrite`` delete them
+    (under torchrun rank 0 only; the others wait for it in the process group's rendezvous)."""
+    import os
+    import shutil
+
+    from nereus.store.checkpoint import CheckpointStore
+
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return
+    steps = CheckpointStore(str(root)).steps()
+    if not steps and not overwrite:
+        return
+    if not overwrite:
+        typer.echo(
+            f"error: run dir {run_dir!r} holds checkpoints of an earlier run (steps {steps}): pass --resume to continue it, "
+            "--overwrite to start over (its checkpoints are deleted), or another --run-dir",
+            err=True,
+        )
+        raise typer.Exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(root)

@@ -97,7 +97,7 @@ ONE_PROCESS_GRPO=(nproc=1 plan.actor.train.dp=1 plan.actor.gen.dp=1 plan.actor.g
 sets() { for s in "$@"; do printf -- '--set\n%s\n' "$s"; done; }
 mapfile -t PPO_SETS < <(sets "${ONE_PROCESS_PPO[@]}" "device=$DEVICE" checkpoint_every=2)
 mapfile -t GRPO_SETS < <(sets "${ONE_PROCESS_GRPO[@]}" "device=$DEVICE" steps=3 model.dtype=bfloat16 \
-                           plan.actor.train.micro_batch_size=32 plan.ref.infer.micro_batch_size=48)
+                           plan.actor.train.micro_batch_size=32 plan.ref.infer.micro_batch_size=64)
 TRAIN=("$PY" -m nereus.cli.app train)
 
 check_metrics() {  # the uninterrupted run's metrics: 4 steps, device memory reported

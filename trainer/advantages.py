@@ -1,5 +1,6 @@
-"""Token-level maths shared by PPO and GRPO: masked statistics, whitening, KL estimators,
-entropy and mini-batches (pure tensor functions, no model code).
+"""Token-level maths shared by PPO and GRPO: masked statistics, whitening, KL estimators
+and mini-batches (pure tensor functions, no model code; the entropy of the policy comes
+from the vocabulary-sharded logits, ``trainer/vocab_parallel.py``).
 
 Shapes: a batch is ``B`` responses right-padded to ``T`` tokens. ``mask[b, t]`` is 1 for a
 real response token (the final EOS included) and 0 for padding; every row's mask is a
@@ -15,8 +16,6 @@ divergence", 2020):
 
     k1 = ρ                        unbiased, can be negative; PPO's reward penalty
     k3 = exp(−ρ) − 1 + ρ  ≥ 0     unbiased, low variance; GRPO's loss term
-
-Entropy of a categorical with logits z: H = logsumexp(z) − Σ_v softmax(z)_v z_v.
 """
 
 from __future__ import annotations
@@ -81,12 +80,6 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """Per-token k3 = exp(ref − logp) − 1 − (ref − logp) ≥ 0; differentiable in ``logprobs``."""
     d = ref_logprobs - logprobs
     return torch.exp(d) - 1 - d
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy over the last dimension: logsumexp(z) − Σ softmax(z)·z."""
-    p = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
 
 
 def minibatch_indices(

@@ -72,7 +72,7 @@ class ModelConfig:
     head_dim: int | None = None
     qkv_bias: bool = False
     tie_embeddings: bool = False
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # compute dtype; training keeps fp32 masters
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig | None = None
     rms_norm_eps: float = 1e-6
@@ -99,6 +99,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vllm only: its share of each GPU (weights + KV cache), as vLLM's LLM(...)
 
 
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PPOConfig:
     lr: float = 1e-3
@@ -114,6 +117,7 @@ class PPOConfig:
     whiten: bool = True
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
+    loss_agg: LossAgg = "token_mean"  # trainer/ppo.py, "Aggregation"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,12 +125,13 @@ class GRPOConfig:
     lr: float = 1e-3
     clip: float = 0.2
     kl_coef: float = 0.01  # β of the k3 loss term
-    scale_by_std: bool = True  # False: Dr. GRPO
+    scale_by_std: bool = True  # False: no std in the advantage (Dr. GRPO with loss_agg: seq_mean_token_sum)
     eps: float = 1e-4
     epochs: int = 2
     minibatch_size: int = 16
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
+    loss_agg: LossAgg = "token_mean"  # seq_mean_token_sum with scale_by_std: false is Dr. GRPO
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -148,22 +153,18 @@ class StageConfig:
     def micro_batches(self, rows: int) -> int:
         """How many micro-batches one replica splits its ``rows`` into (pure).
 
-        Without ``micro_batch_size``: one per pipeline stage where the rows allow, i.e. the
-        largest divisor of ``rows`` that is at most pp (pipelining needs equal micro-batches).
-        With it: ``n = max(that, ceil(rows / micro_batch_size))``; with pp > 1 rounded up to
-        the next divisor of ``rows`` (equal micro-batches again), with pp == 1 used as is
-        (the last micro-batch may be smaller). The gradient is the mean of the micro-batches'
-        losses (gradient accumulation, as verl and TRL do).
+        With ``micro_batch_size``: ``rows / micro_batch_size``, which the config check
+        requires to be whole. Without it: one per pipeline stage where the rows allow, i.e.
+        the largest divisor of ``rows`` that is at most pp (pipelining needs equal
+        micro-batches). The loss of every micro-batch is normalised by the whole mini-batch
+        (``trainer/ppo.py``, "Aggregation"), so the micro-batch size changes time and
+        memory, never the update.
         """
         if rows < 1:
             return 1
-        base = max(n for n in range(1, min(self.pp, rows) + 1) if rows % n == 0)
-        if self.micro_batch_size is None:
-            return base
-        want = max(base, -(-rows // self.micro_batch_size))
-        if self.pp == 1:
-            return want
-        return min(n for n in range(want, rows + 1) if rows % n == 0)
+        if self.micro_batch_size is not None:
+            return max(1, rows // self.micro_batch_size)
+        return max(n for n in range(1, min(self.pp, rows) + 1) if rows % n == 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -476,6 +477,13 @@ def _check_values(cfg: JobConfig) -> None:
     for key, ok, want in checks:
         if not ok:
             raise ConfigError(f"config key '{key}' must be {want}, got {_get(cfg, key)!r}")
+    for key in ("model", "critic"):  # the trained models (a reward model only infers)
+        m = getattr(cfg, key)
+        if m is not None and m.dtype == "float16":
+            raise ConfigError(
+                f"config key '{key}.dtype' is float16, which trains only with loss scaling, and the trainer has none; "
+                "use bfloat16 (or float32)"
+            )
     algo = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
     mb = algo.minibatch_size
     if mb < 1 or cfg.batch_size % mb:
@@ -576,6 +584,13 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig) -> None:
     algo = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
     if stage.endswith(".train") and algo.minibatch_size % sc.dp:
         raise ConfigError(f"{name}: dp={sc.dp} does not divide {cfg.algorithm}.minibatch_size={algo.minibatch_size}")
+    if sc.micro_batch_size is not None:
+        rows, what = (algo.minibatch_size, f"{cfg.algorithm}.minibatch_size") if stage.endswith(".train") else (cfg.batch_size, "the rollout batch")
+        if rows % sc.dp or (rows // sc.dp) % sc.micro_batch_size:
+            raise ConfigError(
+                f"{name}: micro_batch_size={sc.micro_batch_size} does not divide the {rows / sc.dp:g} rows of a replica "
+                f"({what}={rows} over dp={sc.dp}); micro-batches must be equal"
+            )
     if stage == "actor.gen" and cfg.batch_size % sc.dp:
         raise ConfigError(f"{name}: dp={sc.dp} does not divide the rollout batch of {cfg.batch_size} responses")
 

@@ -6,18 +6,21 @@ prompt p (Shao et al., DeepSeekMath, 2024):
 
     A_{p,i} = (R_{p,i} − mean_i R_{p,·}) / (std_i R_{p,·} + eps)     (std Bessel-corrected)
 
-or, with ``scale_by_std=False`` (Dr. GRPO, Liu et al., 2025), A_{p,i} = R_{p,i} − mean_i R_{p,·}.
-A_{p,i} applies to every valid token of response (p, i). The loss is PPO's clipped
-surrogate (ppo.policy_loss) with ratio ρ_t = exp(log π_θ − log π_old), token-mean over the
-mask, plus the reference KL as a loss term with the k3 estimator:
+or, with ``scale_by_std=False``, A_{p,i} = R_{p,i} − mean_i R_{p,·}. A_{p,i} applies to
+every valid token of response (p, i). The loss is PPO's clipped surrogate (ppo.policy_loss)
+with ratio ρ_t = exp(log π_θ − log π_old), plus the reference KL as a loss term with the k3
+estimator, aggregated over the mini-batch by ``loss_agg`` (ppo.py, "Aggregation"):
 
-    L = mean_m( max(−A ρ, −A clip(ρ, 1−ε, 1+ε)) ) + β · mean_m( exp(r − l) − 1 − (r − l) )
+    L = Σ_bt w_bt [ max(−A ρ, −A clip(ρ, 1−ε, 1+ε)) + β (exp(r − l) − 1 − (r − l)) ]
 
-where l = log π_θ and r = log π_ref on the sampled tokens.
+where l = log π_θ and r = log π_ref on the sampled tokens. The default ``token_mean``
+(w = m / Σ m, as DAPO) weighs every token alike; the paper's per-sequence mean is
+``seq_mean_token_mean``. Dr. GRPO (Liu et al., 2025) is ``scale_by_std=False`` together
+with ``loss_agg: seq_mean_token_sum``: no std in the advantage, and token sums divided by
+the constant B · ``rollout.max_new_tokens`` instead of by the response lengths.
 
-Shortcuts: token-mean over the whole batch (as DAPO and Dr. GRPO) rather than the paper's
-per-sequence mean, which weights long and short responses alike; a group whose samples all
-score the same gets advantage 0 and contributes only through the KL term.
+Shortcuts: a group whose samples all score the same gets advantage 0 and contributes only
+through the KL term.
 """
 
 from __future__ import annotations

@@ -58,8 +58,7 @@ from .model import ModelArgs
 from .metrics import MetricsLog, peak_memory
 from .parallel import init_stage, init_tensor, load_full
 from .stages import (
-    ModelStage, build_stages, gather_rows, infer, make_optimizer, response_entropy, response_logprobs, response_values,
-    train_minibatch,
+    ModelStage, backward_minibatch, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values,
 )
 from .tasks import Task, build_task
 
@@ -74,9 +73,9 @@ class WeightSync:
     dst: ModelStage
 
     def __post_init__(self) -> None:
-        src = [_params_only(e) for e in self.src.emus]
-        dst = [_params_only(e) for e in self.dst.emus]
-        self.plan = plan_transfers(src, dst)
+        src = [e.params_only() for e in self.src.emus]
+        dst = [e.params_only() for e in self.dst.emus]
+        self.plan = plan_transfers(src, dst, cast=True)  # float32 masters -> the rollout dtype, cast on the way
         self.graph = plan_graph(arrays_from_plan(self.plan))
         # Host staging is kept across steps (its pages stay touched); CUDA's caching
         # allocator already reuses blocks, and a kept buffer would sit through training.
@@ -86,13 +85,6 @@ class WeightSync:
         rank, src, dst = dist.get_rank(), self.src.param_buffers(), self.dst.param_buffers()
         on_host = all(t.device.type == "cpu" for t in (*src.values(), *dst.values()))
         execute(self.plan, self.graph, src, rank=rank, dst_buffers=dst, staging=self.staging if on_host else None)
-
-
-def _params_only(emu):
-    from nereus.reshard.layout import EMU
-
-    tensors = tuple(t for t in emu.tensors if not t.name.startswith("optim/"))
-    return EMU.trusted(**{f: getattr(emu, f) for f in ("model", "stage", "replica", "config", "ranks", "version")}, tensors=tensors) if tensors != emu.tensors else emu
 
 
 class Trainer:
@@ -213,7 +205,7 @@ class Trainer:
         if cfg.algorithm == "ppo":
             hp = cfg.ppo
             adv, returns, metrics = ppo.compute_advantages(
-                scores, batch["old_values"], mask, old_logprobs=batch["old_logprobs"],
+                scores, batch["old_values"], mask, old_logprobs=batch.get("old_logprobs"),
                 ref_logprobs=batch.get("ref_logprobs"), kl_coef=hp.kl_coef, kl_in_reward=hp.kl_in_reward,
                 gamma=hp.gamma, lam=hp.lam, whiten=hp.whiten,
             )
@@ -225,38 +217,67 @@ class Trainer:
         return metrics
 
     def _train(self, batch: dict) -> dict[str, float]:
+        """PPO epochs over mini-batches: per mini-batch every model's forward and backward
+        (its loss normalised by the global mini-batch, ``ppo.loss_weights``), one check that
+        everything is finite on every rank, then the optimizer steps."""
         cfg = self.cfg
         hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
         temp = cfg.rollout.temperature
         g = torch.Generator().manual_seed(_seed(cfg.seed, self.step, 99))
         actor_kl = hp.kl_coef if (cfg.algorithm == "grpo" or not cfg.ppo.kl_in_reward) else 0.0
+        actor = self.stages["actor.train"]
 
         def actor_loss(logits, mb):
-            logprobs = response_logprobs(logits, mb, temp)
+            logprobs, entropy = response_logprobs(logits, mb, temp, actor.part.vocab, entropy=bool(hp.entropy_coef))
             old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()  # on-policy: see step 3
-            entropy = response_entropy(logits, mb, temp) if hp.entropy_coef else None
             return ppo.policy_loss(
-                logprobs, old, mb["advantages"], mb["response_mask"], clip=hp.clip,
+                logprobs, old, mb["advantages"], mb["response_mask"], clip=hp.clip, weights=mb["loss_weights"],
                 ref_logprobs=mb.get("ref_logprobs"), kl_coef=actor_kl, entropy=entropy, entropy_coef=hp.entropy_coef,
             )
 
         def critic_loss(values, mb):
-            return ppo.value_loss(response_values(values, mb), mb["old_values"], mb["returns"], mb["response_mask"], clip=cfg.ppo.value_clip)
+            return ppo.value_loss(
+                response_values(values, mb), mb["old_values"], mb["returns"], mb["response_mask"],
+                clip=cfg.ppo.value_clip, weights=mb["loss_weights"],
+            )
 
-        out: dict[str, float] = {}
+        models = [("actor", actor, actor_loss, hp.max_grad_norm)]
+        if cfg.algorithm == "ppo":
+            models.append(("critic", self.stages["critic.train"], critic_loss, cfg.ppo.max_grad_norm))
+        sums: dict[str, ppo.LossSums] = {}
+        norms: dict[str, list[float]] = {name: [] for name, *_ in models}
         b = batch["input_ids"].shape[0]
-        for idx in minibatch_indices(b, hp.minibatch_size, epochs=hp.epochs, generator=g):
-            mb = {k: v[idx] for k, v in batch.items()}
-            for k, v in train_minibatch(self.stages["actor.train"], mb, actor_loss, hp.max_grad_norm).items():
-                out[f"actor/{k}"] = v
-            if cfg.algorithm == "ppo":
-                for k, v in train_minibatch(self.stages["critic.train"], mb, critic_loss, cfg.ppo.max_grad_norm).items():
-                    out[f"critic/{k}"] = v
-        out = _mean_over_ranks(out)
-        bad = [k.split("/")[0] for k in ("actor/nonfinite", "critic/nonfinite") if out.get(k, 0.0) > 0]
-        if bad:
-            raise FloatingPointError(f"step {self.step + 1}: {' and '.join(bad)} loss or gradient is not finite (NaN/inf)")
-        return out
+        minibatches = list(minibatch_indices(b, hp.minibatch_size, epochs=hp.epochs, generator=g))
+        for k, idx in enumerate(minibatches):
+            mb = {key: v[idx] for key, v in batch.items()}
+            mb["loss_weights"] = ppo.loss_weights(mb["response_mask"], hp.loss_agg, max_length=cfg.rollout.max_new_tokens)
+            done = {name: backward_minibatch(stage, mb, fn, clip) for name, stage, fn, clip in models}
+            self._check_finite(done, k, len(minibatches))
+            for name, stage, *_ in models:
+                if done[name] is None:
+                    continue
+                stage.optimizer.step()
+                norms[name].append(float(done[name].grad_norm))
+                if done[name].sums is not None:
+                    sums[name] = done[name].sums if name not in sums else sums[name] + done[name].sums
+        return _finish_metrics(sums, norms, len(minibatches))
+
+    def _check_finite(self, done: dict, k: int, minibatches: int) -> None:
+        """Raise FloatingPointError on every rank, before any optimizer of this mini-batch
+        steps, when any model's loss or gradient is not finite on any rank."""
+        names = list(done)
+        flags = torch.zeros(dist.get_world_size(), len(names))
+        for j, name in enumerate(names):
+            flags[self.rank, j] = float(done[name] is not None and not done[name].finite)
+        dist.all_reduce(flags)
+        if not flags.any():
+            return
+        bad = [f"{name} (rank{'s' * (int(flags[:, j].sum()) > 1)} {', '.join(map(str, flags[:, j].nonzero().flatten().tolist()))})"
+               for j, name in enumerate(names) if flags[:, j].any()]
+        raise FloatingPointError(
+            f"step {self.step + 1}, mini-batch {k + 1} of {minibatches}: the {' and '.join(bad)} loss or gradient "
+            "is not finite (NaN/inf); no optimizer stepped on it"
+        )
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -338,12 +359,29 @@ def _seed(*parts: int) -> int:
     return h
 
 
-def _mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Average each metric over the ranks that reported it (rank order is irrelevant)."""
+def _finish_metrics(sums: dict[str, ppo.LossSums], norms: dict[str, list[float]], minibatches: int) -> dict[str, float]:
+    """``model/metric`` over the whole step: every replica's LossSums added in rank order
+    (the same sums under every layout, up to the order of their float additions), loss
+    terms averaged over the mini-batches, token statistics over every token; ``grad_norm``
+    the mean over mini-batches."""
+    mine = {name: {k: float(v) for k, v in s.tensors().items()} for name, s in sums.items()}
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, metrics)
-    keys = sorted({k for m in gathered for k in m})
-    return {k: sum(m[k] for m in gathered if k in m) / sum(1 for m in gathered if k in m) for k in keys}
+    dist.all_gather_object(gathered, (mine, {name: n for name, n in norms.items() if n}))
+    out: dict[str, float] = {}
+    for name in norms:
+        parts = [m[name] for m, _ in gathered if name in m]
+        total = {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
+        n = max(total.get("tokens", 0.0), 1.0)
+        for key, value in total.items():
+            kind, _, metric = key.partition("/")
+            if kind == "loss":
+                out[f"{name}/{metric}"] = value / minibatches
+            elif kind == "token":
+                out[f"{name}/{metric}"] = value / n
+        grad_norms = next((g[name] for _, g in gathered if name in g), [])
+        if grad_norms:
+            out[f"{name}/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    return out
 
 
 def worker_device(cfg: JobConfig) -> torch.device:

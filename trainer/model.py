@@ -21,6 +21,15 @@ Maths, per block (x: [B, T, h], d = head_dim, H query heads, K kv heads, r = H /
   are masked; every query may always see its own slot, so a pad query's row is never empty
   (no NaN that a later layer could multiply by a zero weight).
 
+Precision: parameters are stored in ``spec.dtype`` and the forward computes in
+``ModelArgs.compute`` (``compute_dtype``, default the same). A training stage of a bf16 job
+stores float32 master weights and computes in bf16: the embedding looks up in the compute
+dtype, and every linear layer, norm and the tied output projection casts its weight to its
+input's dtype on use (a no-op when they agree). The cast is differentiable, so the
+bf16 gradient of each use lands in the float32 ``.grad`` — FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` contract, under every layout
+(under FSDP2 with that policy the weights arrive in bf16 already and the casts do nothing).
+
 Head counts inside attention are read from the projections' output sizes (``view(B, T, -1, d)``),
 so a TP plan that shards q/k/v by column runs the same code on local heads.
 
@@ -94,6 +103,12 @@ class ModelArgs:
     max_seq_len: int = 2048
     model_type: str = "llama"
     rope_scaling: Llama3RopeScaling | None = None
+    compute_dtype: str | None = None
+    """Dtype of the forward's activations and matmuls (None: ``spec.dtype``, the storage)."""
+
+    @property
+    def compute(self) -> str:
+        return self.compute_dtype or self.spec.dtype
 
     def __post_init__(self) -> None:
         if self.model_type not in ("llama", "qwen2"):
@@ -102,6 +117,8 @@ class ModelArgs:
             raise ValueError("a qwen2 model always has q/k/v biases: set spec.qkv_bias=True")
         if self.spec.dim_head % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.spec.dim_head}")
+        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype must be one of {sorted(DTYPES)}, got {self.compute_dtype!r}")
 
     @classmethod
     def from_hf_config(cls, config: Mapping, *, dtype: str | None = None) -> ModelArgs:
@@ -261,7 +278,31 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:  # HF's order of operations; one call instead of four
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # normalised in float32, as HF
-        return self.weight * h.to(x.dtype)
+        return self.weight.to(x.dtype) * h.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight and bias are cast to the input's dtype on use (module
+    docstring, "Precision"); TP styles apply to it as to any ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that looks its rows up in the compute dtype: the table is cast
+    first (a transient copy when the two differ), so that the gradient of a row is summed
+    over its tokens in the compute dtype, then cast to the float32 master — what FSDP2's
+    mixed precision does with its all-gathered bf16 table, so both layouts give the same
+    update. TP's ``RowwiseParallel`` applies to it as to any ``nn.Embedding``."""
+
+    def __init__(self, num: int, dim: int, *, dtype: torch.dtype, compute: torch.dtype) -> None:
+        super().__init__(num, dim, dtype=dtype)
+        self.compute = compute
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight.to(self.compute))
 
 
 class Attention(nn.Module):
@@ -270,10 +311,10 @@ class Attention(nn.Module):
         s = args.spec
         self.head_dim = s.dim_head
         q, kv = s.num_heads * self.head_dim, s.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(s.hidden_size, q, bias=s.qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(s.hidden_size, kv, bias=s.qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(s.hidden_size, kv, bias=s.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q, s.hidden_size, bias=False, dtype=dtype)
+        self.q_proj = Linear(s.hidden_size, q, bias=s.qkv_bias, dtype=dtype)
+        self.k_proj = Linear(s.hidden_size, kv, bias=s.qkv_bias, dtype=dtype)
+        self.v_proj = Linear(s.hidden_size, kv, bias=s.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(q, s.hidden_size, bias=False, dtype=dtype)
 
     def forward(
         self,
@@ -313,9 +354,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
         super().__init__()
         h, i = args.spec.hidden_size, args.spec.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+        self.gate_proj = Linear(h, i, bias=False, dtype=dtype)
+        self.up_proj = Linear(h, i, bias=False, dtype=dtype)
+        self.down_proj = Linear(i, h, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -348,7 +389,7 @@ class DecoderStack(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
         super().__init__()
         s = args.spec
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(s.vocab_size, s.hidden_size, dtype=dtype)
+        self.embed_tokens: nn.Embedding | None = Embedding(s.vocab_size, s.hidden_size, dtype=dtype, compute=DTYPES[args.compute])
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, dtype) for i in range(s.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(s.hidden_size, args.rms_norm_eps, dtype)
 
@@ -365,9 +406,9 @@ class Decoder(nn.Module):
         self.lm_head: nn.Linear | None = None
         self.score: nn.Linear | None = None
         if s.head == "value":
-            self.score = nn.Linear(s.hidden_size, 1, bias=False, dtype=dtype)
+            self.score = Linear(s.hidden_size, 1, bias=False, dtype=dtype)
         elif not s.tie_embeddings:
-            self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(s.hidden_size, s.vocab_size, bias=False, dtype=dtype)
 
     def forward(
         self,
@@ -411,7 +452,7 @@ class Decoder(nn.Module):
         if self.args.spec.tie_embeddings and self.args.spec.head == "lm":
             if body.embed_tokens is None:
                 raise ValueError("tied embeddings: the last stage needs model.embed_tokens for the output projection")
-            return F.linear(h, body.embed_tokens.weight)
+            return F.linear(h, body.embed_tokens.weight.to(h.dtype))
         return h
 
     @staticmethod

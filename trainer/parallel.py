@@ -9,7 +9,11 @@ The local tensors match ``reshard.derive.derive_emus`` exactly (checked at build
 
 - vocab-parallel ``embed_tokens`` / ``lm_head``: rows ``[t V/tp, (t+1) V/tp)`` on TP rank t
   (``RowwiseParallel(input_layouts=Replicate())`` on an Embedding and ``ColwiseParallel`` on a
-  Linear both shard the weight's dim 0 in equal chunks; logits are all-gathered);
+  Linear both shard the weight's dim 0 in equal chunks). Training and inference stages keep
+  the logits sharded too: the model returns this rank's vocabulary columns [.., V/tp] and
+  ``trainer.vocab_parallel`` computes log-probs, entropy and losses from them
+  (``StagePart.vocab``), so no rank holds full-vocabulary logits. Generation
+  (``vocab_parallel=False``) all-gathers its one position's logits, to sample from them;
 - q/gate/up (and q/k/v biases) column-parallel, o/down row-parallel (dim 1);
 - k/v: split by KV head when tp divides the KV heads. With GQA and tp > kv, TP rank t
   holds the whole KV head ``t // (tp / kv)`` (vLLM's replication), which a DTensor placement
@@ -21,15 +25,21 @@ The local tensors match ``reshard.derive.derive_emus`` exactly (checked at build
 - norms and the value head: replicated plain tensors (their gradients are identical on
   every TP rank because every activation gradient reaching them has been all-reduced);
 - tied embeddings (lm head): the output projection ``F.linear(h, embed.weight)`` needs ``h``
-  as a Replicate DTensor (the final norm's output is annotated so), and the vocab-sharded
-  logits are gathered on the way out. With pp > 1 the last stage holds a copy of
+  as a Replicate DTensor (the final norm's output is annotated so); the vocab-sharded
+  logits leave as their local shard (or gathered, for generation). With pp > 1 the last stage holds a copy of
   ``embed_tokens``; ``sync_grads`` sums the two copies' gradients (Megatron's embedding group).
 - ``dp_shard``: FSDP2 ``fully_shard`` per layer and on the root over the dp mesh: each TP-local
   tensor is split along dim 0 in ``torch.chunk`` pieces over dp, as derive lays it out. FSDP2
   works on CPU/gloo here (torch 2.13), TP and FSDP sharing one (dp, pp, tp) DeviceMesh.
-  Without ``dp_shard``, dp replicas hold full copies and ``sync_grads`` averages gradients
-  over the dp group (what DDP does, in one flat all-reduce per group, after the last
-  micro-batch instead of overlapped with backward).
+  Without ``dp_shard``, dp replicas hold full copies and ``sync_grads`` sums gradients
+  over the dp group (one flat all-reduce per group after the last micro-batch, instead of
+  DDP's buckets overlapped with backward). Gradients are SUMMED over dp, never averaged —
+  FSDP2's reduce-scatter too (divide factor 1): every loss is already normalised by the
+  global mini-batch (``trainer/ppo.py``, "Aggregation").
+- mixed precision: a stage whose ``args.compute`` differs from its storage dtype (fp32
+  master weights, bf16 compute) casts on use inside the model (``trainer/model.py``); under
+  FSDP2 ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)`` all-gathers the
+  weights in the compute dtype instead. Gradients are float32 and reduced in float32.
 
 Process groups: ``stage_groups`` creates every TP/PP/DP (and KV-copy, embedding) group of a
 config with ``dist.new_group(ranks, sort_ranks=False)``, so a group's rank order is the
@@ -59,9 +69,10 @@ from torch.distributed.tensor.parallel import (
 
 from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus, plan_layer_ranges
 from nereus.reshard.errors import LayoutError, ProcessGroupError
-from nereus.reshard.layout import ParallelConfig, TensorLayout, box_view, local_buffers
+from nereus.reshard.layout import DTYPES, ParallelConfig, TensorLayout, box_view, local_buffers
 
 from .model import Decoder, ModelArgs, _param_seed, build_model
+from .vocab_parallel import VocabShard
 
 # ------------------------------------------------------------------------ process groups
 
@@ -246,16 +257,29 @@ class ReplicatedKVHead(ParallelStyle):
 
 
 class GatherOutput(ParallelStyle):
-    """Turn a DTensor module output into the full plain tensor (differentiable all-gather);
-    plain outputs pass through. Used on the root for tied-embedding logits."""
+    """Turn a DTensor module output into the full plain tensor (differentiable all-gather),
+    or with ``local=True`` into this rank's shard of it; plain outputs pass through. Used on
+    the root for tied-embedding logits."""
+
+    def __init__(self, *, local: bool = False) -> None:
+        super().__init__()
+        self.local = local
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(lambda _m, _a, out: out.full_tensor() if isinstance(out, DTensor) else out)
+        def hook(_m, _a, out):
+            if not isinstance(out, DTensor):
+                return out
+            return out.to_local() if self.local else out.full_tensor()
+
+        module.register_forward_hook(hook)
         return module
 
 
-def plan_tp(spec: DecoderSpec, tp: int) -> dict[str, ParallelStyle]:
-    """The TP plan of a whole Decoder: module name (``*`` = every layer) -> ParallelStyle."""
+def plan_tp(spec: DecoderSpec, tp: int, *, vocab_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """The TP plan of a whole Decoder: module name (``*`` = every layer) -> ParallelStyle.
+
+    ``vocab_parallel``: the logits leave sharded over the vocabulary (this rank's columns);
+    False gathers them (generation samples from the whole distribution)."""
     check_tp(spec, tp)
     kv = ColwiseParallel() if spec.num_kv_heads % tp == 0 else ReplicatedKVHead(spec.dim_head)
     plan: dict[str, ParallelStyle] = {
@@ -272,9 +296,9 @@ def plan_tp(spec: DecoderSpec, tp: int) -> dict[str, ParallelStyle]:
         plan["model.norm"] = PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
         )
-        plan[""] = GatherOutput()
+        plan[""] = GatherOutput(local=vocab_parallel)
     elif spec.head == "lm":
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+        plan["lm_head"] = ColwiseParallel() if vocab_parallel else ColwiseParallel(output_layouts=Replicate())
     return plan
 
 
@@ -308,6 +332,7 @@ class StagePart:
     module: Decoder
     dp_shard: bool
     device: torch.device
+    vocab_parallel: bool = True
 
     @property
     def rank(self) -> int:
@@ -329,6 +354,14 @@ class StagePart:
     def fsdp(self) -> bool:
         return self.dp_shard and self.config.dp > 1
 
+    @property
+    def vocab(self) -> VocabShard:
+        """Where this rank's logits sit in the vocabulary (all of it unless TP-sharded)."""
+        spec = self.args.spec
+        if not self.vocab_parallel or self.config.tp == 1 or spec.head != "lm":
+            return VocabShard()
+        return VocabShard(start=self.groups.tp_index * spec.vocab_size // self.config.tp, group=self.groups.tp)
+
     def layouts(self) -> list[TensorLayout]:
         """derive's parameter layouts of the EMU this rank belongs to."""
         emus = derive_emus(self.args.spec, self.config, model="m", stage="s", dp_shard=self.dp_shard)
@@ -343,8 +376,11 @@ def build_stage(
     dp_shard: bool = False,
     device: torch.device | str = "cpu",
     groups: StageGroups | None = None,
+    vocab_parallel: bool = True,
 ) -> StagePart:
     """This rank's stage of the model under ``config``, parallelized, weights uninitialised.
+
+    ``vocab_parallel=False`` gathers the logits over TP (generation); see the module docstring.
 
     ``groups`` defaults to ``stage_groups(config, spec)``, which is only safe here when the
     config spans the whole world or its groups were created before by every rank; otherwise
@@ -367,17 +403,33 @@ def build_stage(
     apply_stage_cut(model, plan_stage_modules(spec, config.pp)[groups.pp_index])
     mesh = groups.mesh(device.type)
     if config.tp > 1:
-        apply_tp(model, mesh["tp"], plan_tp(spec, config.tp))
+        apply_tp(model, mesh["tp"], plan_tp(spec, config.tp, vocab_parallel=vocab_parallel))
     if dp_shard and config.dp > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers.values():
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+        apply_fsdp(model, mesh["dp"], args)
     model.to_empty(device=device)
-    part = StagePart(args=args, config=config, groups=groups, module=model, dp_shard=dp_shard, device=device)
+    part = StagePart(
+        args=args, config=config, groups=groups, module=model, dp_shard=dp_shard, device=device, vocab_parallel=vocab_parallel
+    )
     check_buffers(part)
     return part
+
+
+def apply_fsdp(model: Decoder, mesh: DeviceMesh, args: ModelArgs) -> None:
+    """FSDP2 per layer and on the root over the dp mesh: gradients summed (divide factor 1),
+    and, when the model computes in another dtype than it stores, the weights all-gathered
+    in the compute dtype with float32 gradient reduction."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if args.compute != args.spec.dtype:
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[args.compute], reduce_dtype=torch.float32)
+    for layer in model.model.layers.values():
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # a plain SUM (gloo has no PREMUL_SUM), no division after it
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
 
 
 # ------------------------------------------------------------------------ local tensors

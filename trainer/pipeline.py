@@ -9,8 +9,9 @@ Micro-batches are ``torch.tensor_split(t, n)`` of every tensor along dim 0 (B >=
 pp > 1, n must divide B: pipelining sizes its activation buffers once, from the first
 micro-batch). ``loss_fn(output, micro_batch) -> scalar`` is called once per
 micro-batch on the last stage; the gradient is that of the SUM of these losses (no
-1/n scaling: normalise inside ``loss_fn``, e.g. by the replica's total token count), then
-``sync_grads`` finishes it (KV-head copies, tied embedding copies, dp average). Each call
+1/n scaling: normalise inside ``loss_fn`` by the GLOBAL mini-batch, ``trainer/ppo.py``'s
+aggregation), then ``sync_grads`` finishes it (KV-head copies, tied embedding copies, the
+sum over dp replicas). Each call
 runs one optimizer step's worth of micro-batches: zero the gradients between steps.
 
 pp > 1 runs ``torch.distributed.pipelining``: a ``PipelineStage`` over the PP group
@@ -39,14 +40,12 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 OutputFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
-def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup, scale: float = 1.0) -> None:
-    """Sum ``tensors`` over ``group`` in one flat all-reduce, then scale, in place."""
+def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum ``tensors`` over ``group`` in one flat all-reduce, in place."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -58,7 +57,9 @@ def sync_grads(part: StagePart) -> None:
 
     1. KV-head copies (tp > kv): sum over each head's copies.
     2. Tied embedding copies (pp > 1): sum over the first and last stage.
-    3. Replicated dp: average over the dp group (FSDP2 has already reduce-scattered, averaging).
+    3. Replicated dp: sum over the dp group (FSDP2 has already reduce-scattered, summing):
+       each replica's loss is its share of the global mini-batch's loss, so the sum is the
+       gradient of that loss.
     The three are linear maps on disjoint or commuting index sets, so their order is free.
     Every rank of a group calls this with the same parameter set, so flat sizes agree.
     """
@@ -70,7 +71,7 @@ def sync_grads(part: StagePart) -> None:
     if g.embed is not None and "model.embed_tokens.weight" in grads:
         _all_reduce_flat([grads["model.embed_tokens.weight"]], g.embed)
     if c.dp > 1 and not part.fsdp:
-        _all_reduce_flat(list(grads.values()), g.dp, 1.0 / c.dp)
+        _all_reduce_flat(list(grads.values()), g.dp)
 
 
 def split_batch(batch: Mapping[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:

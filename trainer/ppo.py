@@ -24,19 +24,39 @@ n_b = Σ_t m_bt the response length, the last token at t = n_b − 1):
 
    then the advantages are whitened over all valid tokens of the batch (``whiten``).
 
-3. Clipped surrogate, token-mean over the mask, with ratio ρ_t = exp(log π_θ − log π_old):
+3. Clipped surrogate with ratio ρ_t = exp(clamp(log π_θ − log π_old, −20, 20)) (the clamp
+   keeps a wild log-ratio from overflowing exp; it binds only far outside the trust region):
 
-        L_pg = mean_m( max(−A ρ, −A clip(ρ, 1−ε, 1+ε)) )
+        ℓ_pg,t = max(−A ρ, −A clip(ρ, 1−ε, 1+ε))
 
    Where the clipped branch wins the token contributes no gradient. Metrics: clip fraction
-   (tokens where it wins) and approx-KL(π_old‖π_θ) = mean_m(ρ − 1 − log ρ) (k3).
+   (tokens where it wins) and approx-KL(π_old‖π_θ) = ρ − 1 − log ρ (k3), token-means.
 
-4. Optional loss terms: + β mean_m(k3(log π_θ, log π_ref)) when the KL is a loss rather
-   than a reward; − c_H mean_m(H_t) for an entropy bonus.
+4. Optional loss terms per token: + β k3(log π_θ, log π_ref) when the KL is a loss rather
+   than a reward; − c_H H_t for an entropy bonus.
 
 5. Clipped value loss (separate critic), with V' the critic's new values:
 
-        L_V = ½ mean_m( max((V' − G)², (V_old + clip(V' − V_old, −c, c) − G)²) )
+        ℓ_V,t = ½ max((V' − G)², (V_old + clip(V' − V_old, −c, c) − G)²)
+
+Aggregation — the one rule every loss of the trainer follows. A mini-batch's loss is a
+weighted sum over all its response tokens, L = Σ_bt w_bt ℓ_bt, with weights fixed by the
+*global* mini-batch (all rows of all DP replicas; ``loss_weights``):
+
+    token_mean            w_bt = m_bt / Σ_b'n_b'          (default; verl's "token-mean")
+    seq_mean_token_mean   w_bt = m_bt / (n_b · B)          (each response weighs 1/B)
+    seq_mean_token_sum    w_bt = m_bt / (B · L)            (Dr. GRPO: a constant normaliser)
+
+(B the mini-batch's rows, n_b row b's response length, L the longest response a rollout
+may produce, ``rollout.max_new_tokens``: Dr. GRPO's constant, so that the gradient's
+scale, and with it gradient clipping, does not grow with the mean response length.) L is linear in the per-token
+losses, so it splits exactly: each micro-batch of each replica adds Σ w ℓ over its own
+rows, the backward passes add gradients, and the data-parallel gradient sync SUMS (it never
+averages averages). The result is the same loss and the same gradient under every dp, tp,
+pp and micro-batch size, up to floating-point reduction order. Metrics follow the same
+rule: the loss terms add their weighted sums (``LossSums.loss``), token statistics add
+Σ m x and Σ m (``LossSums.token``, ``LossSums.tokens``), over every micro-batch of every
+replica, finished once per step (``LossSums.mean``).
 
 Shortcuts: one task reward per response (no per-token rewards from the task); the KL of the
 reward is the k1 sample estimate on sampled tokens, not the full-vocabulary KL; the critic
@@ -44,6 +64,8 @@ is a separate model (no shared trunk, so no value coefficient is needed).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -72,13 +94,13 @@ def token_rewards(
 
     Pass ``ref_logprobs`` only when the KL belongs in the reward (``kl_in_reward``)."""
     check_mask(mask)
-    rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rewards = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)  # cheap [B, T]: float64
     kl = torch.zeros_like(rewards)
     if ref_logprobs is not None:
         if old_logprobs is None:
             raise ValueError("the KL penalty needs old_logprobs beside ref_logprobs")
         check_mask(mask, old_logprobs, ref_logprobs)
-        kl = zero_pad(kl_k1(old_logprobs, ref_logprobs).float(), mask)
+        kl = zero_pad(kl_k1(old_logprobs.double(), ref_logprobs.double()), mask)
         rewards = rewards - kl_coef * kl
     last = last_token_index(mask)
     rows = torch.arange(mask.shape[0], device=mask.device)
@@ -107,7 +129,7 @@ def compute_advantages(
     values: Tensor,
     mask: Tensor,
     *,
-    old_logprobs: Tensor,
+    old_logprobs: Tensor | None,
     ref_logprobs: Tensor | None,
     kl_coef: float,
     kl_in_reward: bool,
@@ -115,7 +137,10 @@ def compute_advantages(
     lam: float,
     whiten: bool = True,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """Steps 1–2: (advantages, returns, metrics) from task scores [B] and the rollout tensors."""
+    """Steps 1–2: (advantages, returns, metrics) from task scores [B] and the rollout tensors.
+
+    ``old_logprobs`` may be None when the KL is not in the reward (the on-policy shortcut
+    of ``trainer/loop.py`` then never computes them)."""
     in_reward = ref_logprobs if kl_in_reward else None
     rewards, kl = token_rewards(scores, mask, old_logprobs=old_logprobs, ref_logprobs=in_reward, kl_coef=kl_coef)
     adv, returns = gae(rewards, values, mask, gamma=gamma, lam=lam)
@@ -132,6 +157,71 @@ def compute_advantages(
     return adv, returns, metrics
 
 
+LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+LOG_RATIO_CLAMP = 20.0
+
+
+def loss_weights(mask: Tensor, loss_agg: str = "token_mean", *, max_length: int | None = None) -> Tensor:
+    """The aggregation weights w [B, T] of a whole mini-batch (module docstring), float64,
+    zero on padding; Σ w = 1 for the two means, = mean length / L for the token sum
+    (``max_length`` = L, default the mask's width)."""
+    check_mask(mask)
+    m = mask.to(torch.float64)
+    if loss_agg == "token_mean":
+        return m / m.sum().clamp(min=1)
+    if loss_agg == "seq_mean_token_mean":
+        return m / (m.sum(1, keepdim=True).clamp(min=1) * m.shape[0])
+    if loss_agg == "seq_mean_token_sum":
+        return m / (m.shape[0] * (max_length or m.shape[1]))
+    raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG)}; got {loss_agg!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LossSums:
+    """Additive statistics of one micro-batch's loss, combined over micro-batches and
+    replicas by ``+`` and finished once (module docstring, "Aggregation").
+
+    ``loss``: Σ w x of each loss term (over a whole mini-batch: that term's value);
+    ``token``: Σ m x of each per-token statistic; ``tokens``: Σ m. 0-d float64 tensors."""
+
+    loss: dict[str, Tensor]
+    token: dict[str, Tensor]
+    tokens: Tensor
+
+    def __add__(self, other: LossSums) -> LossSums:
+        return LossSums(
+            loss={k: v + other.loss[k] for k, v in self.loss.items()},
+            token={k: v + other.token[k] for k, v in self.token.items()},
+            tokens=self.tokens + other.tokens,
+        )
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Flat ``{"loss/k": .., "token/k": .., "tokens": ..}`` (for one collective)."""
+        return {**{f"loss/{k}": v for k, v in self.loss.items()}, **{f"token/{k}": v for k, v in self.token.items()}, "tokens": self.tokens}
+
+    def mean(self, minibatches: int = 1) -> dict[str, float]:
+        """Loss terms averaged over the ``minibatches`` summed in; token statistics as
+        token-means over every token summed in."""
+        n = max(float(self.tokens), 1.0)
+        return {**{k: float(v) / minibatches for k, v in self.loss.items()}, **{k: float(v) / n for k, v in self.token.items()}}
+
+
+def _sums(mask: Tensor, weights: Tensor, loss: dict[str, Tensor], token: dict[str, Tensor]) -> LossSums:
+    """LossSums of per-token terms [B, T] (detached; padding ignored by selection)."""
+    m = mask.bool()
+    return LossSums(
+        loss={k: zero_pad(v.detach().double() * weights, m).sum() for k, v in loss.items()},
+        token={k: zero_pad(v.detach().double(), m).sum() for k, v in token.items()},
+        tokens=m.sum().double(),
+    )
+
+
+def _weights(mask: Tensor, weights: Tensor | None, dtype: torch.dtype) -> Tensor:
+    w = loss_weights(mask) if weights is None else weights
+    check_mask(mask, w)
+    return w.to(dtype)
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -139,58 +229,60 @@ def policy_loss(
     mask: Tensor,
     *,
     clip: float,
+    weights: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
-) -> tuple[Tensor, dict[str, float]]:
-    """Steps 3–4: clipped surrogate (+ β·k3 KL to the reference, − c_H·entropy), token-mean.
+) -> tuple[Tensor, LossSums]:
+    """Steps 3–4: Σ w (ℓ_pg + β·k3 KL to the reference − c_H·entropy) and its LossSums.
 
-    ``advantages`` is [B, T], or [B] for one advantage per response (GRPO), broadcast over
-    the valid tokens. Shared by PPO and GRPO."""
+    ``weights``: this micro-batch's rows of the mini-batch's ``loss_weights`` (None: the
+    token-mean of these rows alone).
+
+    The log-ratio is clamped to ±20 before ``exp``: a token past it gets no gradient (like a
+    clipped one), and its ratio metric saturates at e^20 — a policy that far from π_old has
+    diverged, which the ratio and approx-KL metrics show. ``advantages`` is [B, T], or [B] for one advantage per
+    response (GRPO), broadcast over the valid tokens. Shared by PPO and GRPO."""
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(mask)
     check_mask(mask, logprobs, old_logprobs, advantages)
-    m = mask.to(logprobs.dtype)
-    log_ratio = zero_pad(logprobs - old_logprobs, m)
+    w = _weights(mask, weights, logprobs.dtype)
+    m = mask.bool()
+    log_ratio = zero_pad(logprobs - old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     adv = zero_pad(advantages.to(logprobs.dtype).detach(), m)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    pg_loss = masked_mean(torch.maximum(unclipped, clipped), m)
-    loss = pg_loss
-    with torch.no_grad():
-        metrics = {
-            "pg_loss": float(pg_loss),
-            "clipfrac": float(masked_mean((clipped > unclipped).to(m.dtype), m)),
-            "approx_kl": float(masked_mean(ratio - 1 - log_ratio, m)),
-            "ratio": float(masked_mean(ratio, m)),
-        }
+    pg = torch.maximum(unclipped, clipped)
+    per_token = pg
+    terms = {"pg_loss": pg}
+    stats = {"clipfrac": (clipped > unclipped).to(logprobs.dtype), "approx_kl": ratio - 1 - log_ratio, "ratio": ratio}
     if ref_logprobs is not None and kl_coef:
-        kl = masked_mean(kl_k3(zero_pad(logprobs, m), zero_pad(ref_logprobs.to(logprobs.dtype), m)), m)
-        loss = loss + kl_coef * kl
-        metrics["kl_ref_k3"] = float(kl.detach())
+        kl = kl_k3(zero_pad(logprobs, m), zero_pad(ref_logprobs.to(logprobs.dtype), m))
+        per_token = per_token + kl_coef * kl
+        stats["kl_ref_k3"] = kl
     if entropy is not None:
-        ent = masked_mean(entropy, m)
-        loss = loss - entropy_coef * ent
-        metrics["entropy"] = float(ent.detach())
-    return loss, metrics
+        per_token = per_token - entropy_coef * entropy
+        stats["entropy"] = entropy
+    loss = zero_pad(per_token * w, m).sum()
+    return loss, _sums(mask, w.double(), {"loss": per_token, **terms}, stats)
 
 
 def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float
-) -> tuple[Tensor, dict[str, float]]:
-    """Step 5: ½ token-mean of the larger of the unclipped and clipped squared errors."""
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float, weights: Tensor | None = None
+) -> tuple[Tensor, LossSums]:
+    """Step 5: Σ w ½ max(unclipped, clipped squared error) and its LossSums."""
     check_mask(mask, values, old_values, returns)
-    m = mask.to(values.dtype)
+    w = _weights(mask, weights, values.dtype)
+    m = mask.bool()
     old, ret = zero_pad(old_values.to(values.dtype).detach(), m), zero_pad(returns.to(values.dtype).detach(), m)
-    clipped_values = old + torch.clamp(values - old, -clip, clip)
+    # inside the clip range the clipped branch IS ``values`` (bit for bit: old + (v − old)
+    # would round differently and make the clip fraction count rounding noise)
+    clipped_values = torch.where((values - old).abs() > clip, old + torch.clamp(values - old, -clip, clip), values)
     err = (values - ret) ** 2
     err_clipped = (clipped_values - ret) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(err, err_clipped), m)
-    with torch.no_grad():
-        metrics = {
-            "vf_loss": float(loss),
-            "vf_clipfrac": float(masked_mean((err_clipped > err).to(m.dtype), m)),
-        }
-    return loss, metrics
+    per_token = 0.5 * torch.maximum(err, err_clipped)
+    loss = zero_pad(per_token * w, m).sum()
+    stats = {"vf_clipfrac": (err_clipped > err).to(values.dtype)}
+    return loss, _sums(mask, w.double(), {"loss": per_token}, stats)

@@ -33,12 +33,13 @@ import torch.nn.functional as F
 from nereus.reshard.derive import derive_emus
 from nereus.reshard.layout import EMU, ParallelConfig
 
-from .advantages import entropy_from_logits
 from .config import JobConfig, StageConfig, decoder_spec
+from .ppo import LossSums
 from .model import Llama3RopeScaling, ModelArgs
 from .parallel import StagePart, build_stage, optimizer_buffers, stage_buffers, stage_grads, stage_groups
 from .pipeline import forward, forward_backward
 from .vllm_engine import VLLMEngine, vllm_emus
+from .vocab_parallel import VocabShard, token_logprobs
 
 
 @dataclass(kw_only=True)
@@ -103,9 +104,16 @@ class ModelStage:
 
 
 def model_args(cfg: JobConfig, key: str) -> ModelArgs:
+    """The model of a model-stage. Training stages store float32 master weights (and AdamW
+    state; float64 ones in a float64 job) and compute in the model's ``dtype``; other stages
+    store and compute in it."""
     _, model, head = cfg.stage_model(key)
+    spec = decoder_spec(model, head=head)
+    train = key.endswith(".train")
+    master = "float32" if model.dtype in ("bfloat16", "float16") else model.dtype
     return ModelArgs(
-        spec=decoder_spec(model, head=head),
+        spec=dataclasses.replace(spec, dtype=master) if train else spec,
+        compute_dtype=model.dtype if train else None,
         rope_theta=model.rope_theta,
         rope_scaling=None if model.rope_scaling is None else Llama3RopeScaling.from_hf(dataclasses.asdict(model.rope_scaling)),
         rms_norm_eps=model.rms_norm_eps,
@@ -124,7 +132,10 @@ def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu") 
             stages[key] = _vllm_stage(cfg, key, args, config, rank)
             continue
         groups = stage_groups(config, args.spec, rank)
-        part = build_stage(args, config, rank, dp_shard=sc.dp_shard, device=device, groups=groups) if groups else None
+        part = None
+        if groups:
+            gen = key.endswith(".gen")  # the generator samples from gathered logits
+            part = build_stage(args, config, rank, dp_shard=sc.dp_shard, device=device, groups=groups, vocab_parallel=not gen)
         train = key.endswith(".train")
         stage = ModelStage(key=key, args=args, config=config, settings=sc, part=part)
         stage.emus = derive_emus(args.spec, config, model=key.split(".")[0], stage=key.split(".")[1], optimizer=train, dp_shard=sc.dp_shard)
@@ -200,29 +211,33 @@ def gather_rows(stage: ModelStage, local: dict[str, torch.Tensor] | None, batch_
     return {k: torch.cat([p[1][k] for p in pieces]) for k in pieces[0][1]}
 
 
-def response_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    """log π(a_t | s_t) of the response tokens: logits at positions P-1..T-2 score tokens P..T-1."""
+def response_logprobs(
+    logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float, vocab: VocabShard = VocabShard(), *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(a_t | s_t) of the response tokens [B, N] (logits at positions P-1..T-2 score
+    tokens P..T-1) and, with ``entropy``, H(π(· | s_t)) there, of the distribution sampled
+    from (logits / T). ``logits`` are this rank's vocabulary columns (``vocab``)."""
     p = int(mb["prompt_width"][0])
-    logp = F.log_softmax(_response_logits(logits, p, temperature), dim=-1)
-    return torch.gather(logp, 2, mb["input_ids"][:, p:, None]).squeeze(2)
+    return token_logprobs(_response_logits(logits, p, temperature), mb["input_ids"][:, p:], vocab, entropy=entropy)
 
 
-def response_entropy(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    """H(π(· | s_t)) at each response position, of the distribution sampled from (logits / T)."""
-    return entropy_from_logits(_response_logits(logits, int(mb["prompt_width"][0]), temperature))
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 at least: 16-bit outputs are upcast, float32 and float64 stay."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def _response_logits(logits: torch.Tensor, p: int, temperature: float) -> torch.Tensor:
-    """The logits [B, N, V] at positions P-1..T-2, which score the response tokens, in
-    float32 and divided by the temperature (no copy of the block at T = 1)."""
-    logits = logits[:, p - 1 : -1].float()
+    """The logits [B, N, V_t] at positions P-1..T-2, which score the response tokens, in
+    float32 (at least) and divided by the temperature (no copy of the block at T = 1 in
+    float32)."""
+    logits = upcast(logits[:, p - 1 : -1])
     return logits if temperature == 1.0 else logits / temperature
 
 
 def response_values(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """V(s_t) for each response token: the value at the position before it."""
     p = int(mb["prompt_width"][0])
-    return values[:, p - 1 : -1].float()
+    return upcast(values[:, p - 1 : -1])
 
 
 def sequence_scores(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -231,7 +246,7 @@ def sequence_scores(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.
     followed by right-padded responses)."""
     real = mb["attention_mask"].bool()
     last = (real.long() * torch.arange(real.shape[1], device=real.device)).argmax(1)
-    return values.float().gather(1, last[:, None]).squeeze(1)
+    return upcast(values).gather(1, last[:, None]).squeeze(1)
 
 
 def infer(stage: ModelStage, batch: dict[str, torch.Tensor], what: str, temperature: float = 1.0) -> torch.Tensor:
@@ -243,8 +258,9 @@ def infer(stage: ModelStage, batch: dict[str, torch.Tensor], what: str, temperat
     if stage.member:
         lo, hi = stage.rows(b)
         mine = _my_rows(stage, batch, lo, hi)
+        vocab = stage.part.vocab
         fn = {
-            "logprobs": lambda out, mb: response_logprobs(out, mb, temperature),
+            "logprobs": lambda out, mb: response_logprobs(out, mb, temperature, vocab)[0],
             "values": response_values,
             "scores": sequence_scores,
         }[what]
@@ -252,28 +268,51 @@ def infer(stage: ModelStage, batch: dict[str, torch.Tensor], what: str, temperat
     return gather_rows(stage, local, b)["out"]
 
 
-def train_minibatch(stage: ModelStage, batch: dict[str, torch.Tensor], loss_fn, max_grad_norm: float) -> dict[str, float]:
-    """One optimizer step of the stage on a mini-batch (its replica's rows of it)."""
+@dataclass(kw_only=True)
+class Backward:
+    """One model-stage's forward and backward of one mini-batch on this rank, before its
+    optimizer step (which ``loop.Trainer`` takes only once every rank's is finite)."""
+
+    sums: LossSums | None
+    """The loss statistics of this replica's rows (on the one rank per replica that
+    computes them: last PP stage, TP rank 0; None elsewhere)."""
+    grad_norm: torch.Tensor
+    """The model-stage's global gradient norm, before clipping (the same on all its ranks)."""
+    finite: bool
+
+
+def backward_minibatch(stage: ModelStage, batch: dict[str, torch.Tensor], loss_fn, max_grad_norm: float) -> Backward | None:
+    """Gradients of the mini-batch's loss (its replica's rows of it, every micro-batch),
+    summed over dp and clipped to ``max_grad_norm``; no optimizer step. ``loss_fn(output,
+    micro_batch) -> (loss, LossSums)`` with the loss normalised by the whole mini-batch
+    (``batch["loss_weights"]``). None off the stage's ranks."""
     if not stage.member:
-        return {}
+        return None
     lo, hi = stage.rows(batch["input_ids"].shape[0])
     mine = _my_rows(stage, batch, lo, hi)
-    n = _microbatches(stage, hi - lo)
-    metrics: dict[str, float] = {}
+    mine["row_index"] = torch.arange(lo, hi, device=stage.part.device)
+    # Keyed by each micro-batch's first row, the last call per key kept: torch's pipelining
+    # (2.13) calls the loss once more, FIRST, while it infers the backward's metadata — on
+    # placeholder activations (torch.empty), so its statistics are garbage; the real call of
+    # that micro-batch comes later and replaces them. (The loss must therefore not assert on
+    # its values; the trainer's finiteness check runs after the schedule, on what it returns.)
+    collected: dict[int, LossSums] = {}
 
-    def scaled(out, mb):
-        loss, m = loss_fn(out, mb)
-        metrics.update(m)
-        return loss / n
+    def fn(out, mb):
+        loss, sums = loss_fn(out, mb)
+        collected[int(mb["row_index"][0])] = sums
+        return loss
 
     stage.optimizer.zero_grad(set_to_none=False)
-    loss = forward_backward(stage.part, mine, scaled, n_microbatches=n)
+    loss = forward_backward(stage.part, mine, fn, n_microbatches=_microbatches(stage, hi - lo))
     grad_norm = clip_grads(stage, max_grad_norm)
-    if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
-        # No step: the caller sees ``nonfinite`` on every rank and stops the job together.
-        return {"loss": float(loss), "grad_norm": float(grad_norm), "nonfinite": 1.0}
-    stage.optimizer.step()
-    return {"loss": float(loss), "grad_norm": float(grad_norm), "nonfinite": 0.0, **metrics}
+    reports = bool(collected) and stage.coords()[2] == 0  # loss_fn runs on the last PP stage only
+    parts = [collected[k] for k in sorted(collected)]
+    return Backward(
+        sums=sum(parts[1:], parts[0]) if reports else None,
+        grad_norm=grad_norm,
+        finite=bool(torch.isfinite(loss) & torch.isfinite(grad_norm)),
+    )
 
 
 def clip_grads(stage: ModelStage, max_norm: float) -> torch.Tensor:

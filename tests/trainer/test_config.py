@@ -293,10 +293,8 @@ def test_micro_batch_size_sets_the_micro_batches_of_a_replica() -> None:
 
     assert [StageConfig(pp=1).micro_batches(r) for r in (1, 16)] == [1, 1]
     assert [StageConfig(pp=4).micro_batches(r) for r in (6, 8, 2)] == [3, 4, 2]  # largest divisor <= pp
-    assert [StageConfig(micro_batch_size=m).micro_batches(16) for m in (4, 5, 16, 32)] == [4, 4, 1, 1]
-    assert StageConfig(micro_batch_size=4).micro_batches(10) == 3  # pp 1: 4 + 4 + 2 rows
-    assert StageConfig(pp=2, micro_batch_size=3).micro_batches(16) == 8  # ceil(16/3) = 6 -> divisor 8
-    assert StageConfig(pp=4, micro_batch_size=16).micro_batches(16) == 4  # never fewer than the pipeline's
+    assert [StageConfig(micro_batch_size=m).micro_batches(16) for m in (1, 4, 8, 16)] == [16, 4, 2, 1]
+    assert StageConfig(pp=4, micro_batch_size=16).micro_batches(16) == 1  # exactly what was asked, GPipe then
 
 
 def test_micro_batch_size_shrinks_the_activation_memory_and_is_checked() -> None:
@@ -305,9 +303,26 @@ def test_micro_batch_size_shrinks_the_activation_memory_and_is_checked() -> None
     def train_transient(*overrides: str) -> int:
         return next(s.transient for s in plan_memory(tiny(*overrides))[0] if s.stage == "actor.train")
 
-    whole, quarter = train_transient(), train_transient("plan.actor.train.micro_batch_size=16")  # 64 rows per replica
-    assert quarter == pytest.approx(whole / 4, rel=1e-6)
+    # 64 rows per replica; activations and logits scale with the micro-batch, the weights' workspace does not
+    whole, half, quarter = (train_transient(f"plan.actor.train.micro_batch_size={m}") for m in (64, 32, 16))
+    assert whole == train_transient() and quarter < half < whole
+    assert whole - half == pytest.approx(2 * (half - quarter), rel=1e-6)
     with pytest.raises(ConfigError, match="plan 'actor.gen': micro_batch_size applies to training and inference stages"):
         tiny("plan.actor.gen.micro_batch_size=4")
     with pytest.raises(ConfigError, match="plan 'ref.infer': micro_batch_size=0 must be >= 1"):
         tiny("plan.ref.infer.micro_batch_size=0")
+    with pytest.raises(ConfigError, match=r"plan 'actor.train': micro_batch_size=3 does not divide the 64 rows of a replica \(ppo.minibatch_size=128 over dp=2\)"):
+        tiny("plan.actor.train.micro_batch_size=3")
+    with pytest.raises(ConfigError, match=r"plan 'ref.infer': micro_batch_size=5 does not divide the 128 rows of a replica \(the rollout batch=256"):
+        tiny("plan.ref.infer.micro_batch_size=5")
+
+
+@pytest.mark.parametrize("key", ["ppo.loss_agg", "grpo.loss_agg"])
+def test_an_unknown_loss_aggregation_is_a_one_line_error(key: str) -> None:
+    with pytest.raises(ConfigError, match=f"config key '{key}' must be one of 'token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum'; got 'mean'"):
+        tiny(f"{key}=mean")
+
+
+def test_float16_training_without_loss_scaling_is_refused() -> None:
+    with pytest.raises(ConfigError, match="config key 'model.dtype' is float16, which trains only with loss scaling"):
+        tiny("model.dtype=float16")

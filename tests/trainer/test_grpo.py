@@ -43,7 +43,8 @@ def test_advantage_is_broadcast_over_valid_tokens() -> None:
     old = torch.full((2, 3), -1.0)
     logp = old.clone().requires_grad_(True)
     adv = torch.tensor([2.0, -1.0])
-    loss, metrics = grpo_loss(logp, old, adv, mask, clip=0.2)
+    loss, sums = grpo_loss(logp, old, adv, mask, clip=0.2)
+    metrics = sums.mean()
     # ratio 1 everywhere: loss = token-mean of −A = (−2·3 + 1)/4
     assert float(loss.detach()) == pytest.approx(-5 / 4)
     loss.backward()
@@ -55,9 +56,11 @@ def test_k3_kl_loss_is_zero_at_the_reference_and_positive_elsewhere() -> None:
     mask = torch.ones(1, 2)
     old = torch.tensor([[-1.0, -2.0]])
     zero = torch.zeros(1)
-    at_ref, m0 = grpo_loss(old, old, zero, mask, clip=0.2, ref_logprobs=old, kl_coef=0.1)
+    at_ref, s0 = grpo_loss(old, old, zero, mask, clip=0.2, ref_logprobs=old, kl_coef=0.1)
+    m0 = s0.mean()
     assert float(at_ref) == 0.0 and m0["kl_ref_k3"] == 0.0
-    away, m1 = grpo_loss(old, old, zero, mask, clip=0.2, ref_logprobs=old - 0.5, kl_coef=0.1)
+    away, s1 = grpo_loss(old, old, zero, mask, clip=0.2, ref_logprobs=old - 0.5, kl_coef=0.1)
+    m1 = s1.mean()
     want = math.exp(-0.5) - 1 + 0.5
     assert m1["kl_ref_k3"] == pytest.approx(want, rel=1e-6)
     assert float(away) == pytest.approx(0.1 * want, rel=1e-6)

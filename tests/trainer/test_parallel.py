@@ -30,6 +30,7 @@ from nereus.trainer.parallel import (
     stage_groups,
 )
 from nereus.trainer.pipeline import forward, forward_backward, sync_grads
+from nereus.trainer.vocab_parallel import VocabShard, token_logprobs
 from tests.distributed_harness import run_distributed
 
 # GQA (kv=2: split at tp=2, one head copied twice at tp=4), 3 layers (uneven pp ranges).
@@ -65,13 +66,13 @@ def make_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def token_loss(norm: float):
-    """Sum of next-token cross-entropy over real (token, next token) pairs, divided by ``norm``."""
+def token_loss(norm: float, vocab: VocabShard = VocabShard()):
+    """Sum of next-token cross-entropy over real (token, next token) pairs, divided by
+    ``norm``, from this rank's vocabulary columns of the logits."""
 
     def loss_fn(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         pairs = mb["attention_mask"][:, :-1] & mb["attention_mask"][:, 1:]
-        ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), mb["input_ids"][:, 1:].flatten(), reduction="none")
-        return (ce * pairs.flatten()).sum() / norm
+        return -(next_token_logprobs(vocab)(logits, mb) * pairs).sum() / norm
 
     return loss_fn
 
@@ -80,9 +81,9 @@ def pair_count(batch) -> int:
     return int((batch["attention_mask"][:, :-1] & batch["attention_mask"][:, 1:]).sum())
 
 
-def token_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+def next_token_logprobs(vocab: VocabShard = VocabShard()):
     """log p(next token) [b, T-1]: what an RL inference stage keeps instead of the logits."""
-    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
+    return lambda logits, mb: token_logprobs(logits[:, :-1].float(), mb["input_ids"][:, 1:], vocab)[0]
 
 
 # ------------------------------------------------------------------------ pure planning
@@ -162,12 +163,12 @@ def _train_case(rank: int, m: str, c: ParallelConfig, dp_shard: bool, n: int) ->
     views = stage_buffers(part)
     rows = torch.tensor_split(torch.arange(B), c.dp)[part.groups.dp_index]
     mine = {k: v[rows] for k, v in batch.items()}
-    loss_fn = token_loss(pair_count(batch) / c.dp)
+    loss_fn = token_loss(pair_count(batch), part.vocab)  # the global count: dp replicas' gradients add up
     loss = forward_backward(part, mine, loss_fn, n)
     local_grads = {k: v.clone() for k, v in stage_grads(part).items()}
     grads = _boxes(part, local_grads)
-    logp = forward(part, mine, n_microbatches=n, output_fn=token_logprobs)  # must leave .grad alone
-    logits = forward(part, mine)
+    logp = forward(part, mine, n_microbatches=n, output_fn=next_token_logprobs(part.vocab))  # must leave .grad alone
+    logits = forward(part, mine)  # this rank's vocabulary columns
     # Accumulating over two calls (sync once) gives the one-call gradients.
     part.module.zero_grad()
     for h in torch.tensor_split(torch.arange(len(rows)), 2):
@@ -183,7 +184,8 @@ def _train_case(rank: int, m: str, c: ParallelConfig, dp_shard: bool, n: int) ->
     adam_steps = {float(state[f"optim/step/{k}"]) for k in local_grads}
     return dict(
         dp=part.groups.dp_index, rows=rows.numpy(), loss=loss.item(), grads=grads, params=_boxes(part, after),
-        logp=logp.numpy(), logits=logits.numpy(), live=live, adam=adam, adam_steps=adam_steps, accumulated=accumulated,
+        logp=logp.numpy(), logits=logits.numpy(), vocab=part.vocab.start, live=live, adam=adam, adam_steps=adam_steps,
+        accumulated=accumulated,
     )
 
 
@@ -205,7 +207,7 @@ def _reference(args: ModelArgs):
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS).step()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(loss=loss.item(), grads=grads, params=params, logits=logits, logp=token_logprobs(logits, batch))
+    return dict(loss=loss.item(), grads=grads, params=params, logits=logits, logp=next_token_logprobs()(logits, batch))
 
 
 def _assert_boxes(boxes, full: dict[str, torch.Tensor], what: str, where: str) -> None:
@@ -237,9 +239,11 @@ def test_parallel_training_matches_single_process():
             names |= _assert_boxes(r["params"], ref["params"], "parameter after AdamW", where)
             rows = torch.from_numpy(r["rows"])
             assert (torch.from_numpy(r["logp"]) - ref["logp"][rows]).abs().max() < 1e-5, where
-            assert (torch.from_numpy(r["logits"]) - ref["logits"][rows]).abs().max() < 1e-5, where
+            logits = torch.from_numpy(r["logits"])  # vocabulary-parallel: this rank's columns only
+            assert logits.shape[-1] == MODELS[m].spec.vocab_size // _config(kw).tp, where
+            assert (logits - ref["logits"][rows][..., r["vocab"] : r["vocab"] + logits.shape[-1]]).abs().max() < 1e-5, where
         assert names == set(ref["grads"]), where  # every parameter was compared
-        assert abs(sum(losses.values()) / len(losses) - ref["loss"]) < 1e-5, (where, losses, ref["loss"])
+        assert abs(sum(losses.values()) - ref["loss"]) < 1e-5, (where, losses, ref["loss"])  # replicas' shares add up
 
 
 # ------------------------------------------------------------------------ layouts
@@ -280,9 +284,11 @@ def _layout_worker(rank: int, world: int) -> list:
         optim = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in optimizer_buffers(part, opt).items()}
         want_optim = {k: (v.shape, v.dtype) for k, v in local_buffers(emu.tensors, rank).items() if k.startswith("optim/")}
         rows = torch.tensor_split(torch.arange(B), c.dp)[part.groups.dp_index]
-        y = forward(part, {k: v[rows] for k, v in batch.items()})
+        y = forward(part, {k: v[rows] for k, v in batch.items()})  # an LM's: its vocabulary columns
         live = all(stage_buffers(part)[k].data_ptr() == v.data_ptr() for k, v in bufs.items())
-        out.append(dict(want=want, have=have, optim=optim, want_optim=want_optim, rows=rows.numpy(), y=y.numpy(), live=live))
+        out.append(dict(
+            want=want, have=have, optim=optim, want_optim=want_optim, rows=rows.numpy(), y=y.numpy(), live=live, vocab=part.vocab.start,
+        ))
     return out
 
 
@@ -302,7 +308,9 @@ def test_stage_buffers_match_derive_and_hold_the_weights():
             assert res["have"] == res["want"], (where, rank)
             assert res["optim"] == res["want_optim"], (where, rank)
             assert res["live"], f"{where} rank {rank}: the first forward moved a parameter's storage"
-            ref = y[torch.from_numpy(res["rows"])]
-            err = ((torch.from_numpy(res["y"]) - ref).abs().max() / ref.abs().max()).item()
+            ref, got = y[torch.from_numpy(res["rows"])], torch.from_numpy(res["y"])
+            if MODELS[m].spec.head == "lm":
+                ref = ref[..., res["vocab"] : res["vocab"] + got.shape[-1]]
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-5, f"{where} rank {rank}: output differs by {err} (relative)"
 

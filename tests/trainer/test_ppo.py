@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from nereus.trainer.advantages import (
-    entropy_from_logits,
     kl_k3,
     masked_mean,
     masked_whiten,
     minibatch_indices,
 )
-from nereus.trainer.ppo import compute_advantages, gae, policy_loss, token_rewards, value_loss
+from nereus.trainer.ppo import LOSS_AGG, compute_advantages, gae, loss_weights, policy_loss, token_rewards, value_loss
+from nereus.trainer.vocab_parallel import token_logprobs
 
 
 def random_batch(B: int = 6, T: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -80,7 +82,7 @@ def test_kl_penalty_on_every_token_and_score_on_the_last() -> None:
     beta = 0.1
     rewards, kl = token_rewards(b["scores"], b["mask"], old_logprobs=b["old"], ref_logprobs=b["ref"], kl_coef=beta)
     for row, n in enumerate(b["lengths"].tolist()):
-        k1 = b["old"][row, :n] - b["ref"][row, :n]
+        k1 = (b["old"][row, :n] - b["ref"][row, :n]).double()  # token rewards are float64
         want = -beta * k1
         want[n - 1] += b["scores"][row]
         torch.testing.assert_close(rewards[row, :n], want, rtol=0, atol=1e-6)
@@ -89,7 +91,7 @@ def test_kl_penalty_on_every_token_and_score_on_the_last() -> None:
     plain, kl0 = token_rewards(b["scores"], b["mask"])
     assert (kl0 == 0).all()
     rows = torch.arange(len(b["lengths"]))
-    assert torch.equal(plain[rows, b["lengths"] - 1], b["scores"])
+    assert torch.equal(plain[rows, b["lengths"] - 1], b["scores"].double())
     assert float(plain.sum()) == pytest.approx(float(b["scores"].sum()))
 
 
@@ -104,7 +106,8 @@ def test_kl_in_loss_instead_of_reward() -> None:
     # as a loss: β · token-mean k3(π_θ, π_ref), differentiable in π_θ
     logp = b["old"].clone().requires_grad_(True)
     adv = torch.zeros_like(logp)
-    loss, metrics = policy_loss(logp, b["old"], adv, b["mask"], clip=0.2, ref_logprobs=b["ref"], kl_coef=0.5)
+    loss, sums = policy_loss(logp, b["old"], adv, b["mask"], clip=0.2, ref_logprobs=b["ref"], kl_coef=0.5)
+    metrics = sums.mean()
     want = 0.5 * masked_mean(kl_k3(b["old"], b["ref"]), b["mask"])
     assert float(loss.detach()) == pytest.approx(float(want), abs=1e-6)
     assert metrics["kl_ref_k3"] == pytest.approx(float(want) / 0.5, abs=1e-6)
@@ -121,10 +124,11 @@ def test_padding_may_hold_inf_and_nan() -> None:
     def run(dirty: bool) -> tuple[float, dict, torch.Tensor, torch.Tensor, torch.Tensor]:
         junk = (lambda x, v: torch.where(pad, torch.full_like(x, v), x)) if dirty else (lambda x, v: x)
         logp = junk(b["old"] + 0.1, float("-inf")).requires_grad_(True)
-        loss, metrics = policy_loss(
+        loss, sums = policy_loss(
             logp, junk(b["old"], float("nan")), junk(adv, float("nan")), b["mask"], clip=0.2,
             ref_logprobs=junk(b["ref"], float("inf")), kl_coef=0.1,
         )
+        metrics = sums.mean()
         loss.backward()
         values = junk(b["values"], float("nan"))
         a, r, _ = compute_advantages(
@@ -159,7 +163,8 @@ def test_clipping_zeroes_the_gradient_outside_the_trust_region(adv: float, ratio
     mask = torch.tensor([[1.0, 1.0]], dtype=torch.float64)
     logp = (old + torch.log(torch.tensor([[ratio, 1.0]], dtype=torch.float64))).requires_grad_(True)
     advantages = torch.tensor([[adv, adv]], dtype=torch.float64)
-    loss, metrics = policy_loss(logp, old, advantages, mask, clip=EPS)
+    loss, sums = policy_loss(logp, old, advantages, mask, clip=EPS)
+    metrics = sums.mean()
     loss.backward()
     g = logp.grad[0, 0].item()
     if clipped:
@@ -176,16 +181,18 @@ def test_policy_loss_token_mean_and_metrics() -> None:
     b = random_batch()
     logp = b["old"] + 0.05 * torch.randn(b["old"].shape, generator=torch.Generator().manual_seed(1))
     adv = torch.randn(b["old"].shape, generator=torch.Generator().manual_seed(2))
-    loss, metrics = policy_loss(logp, b["old"], adv, b["mask"], clip=10.0)  # nothing clipped
+    loss, sums = policy_loss(logp, b["old"], adv, b["mask"], clip=10.0)  # nothing clipped
+    metrics = sums.mean()
     ratio = torch.exp(logp - b["old"])
     m = b["mask"].bool()
     assert float(loss) == pytest.approx(float((-adv * ratio)[m].mean()), rel=1e-6)
     assert metrics["clipfrac"] == 0.0
     lr = (logp - b["old"])[m]
     assert metrics["approx_kl"] == pytest.approx(float((lr.exp() - 1 - lr).mean()), rel=1e-6)
-    entropy = entropy_from_logits(torch.zeros(*b["old"].shape, 16))
-    torch.testing.assert_close(entropy, torch.full(b["old"].shape, float(torch.log(torch.tensor(16.0)))))
-    loss_h, metrics_h = policy_loss(logp, b["old"], adv, b["mask"], clip=10.0, entropy=entropy, entropy_coef=0.1)
+    entropy = token_logprobs(torch.zeros(*b["old"].shape, 16), torch.zeros(b["old"].shape, dtype=torch.long), entropy=True)[1]
+    torch.testing.assert_close(entropy, torch.full(b["old"].shape, float(torch.log(torch.tensor(16.0)))))  # uniform over 16
+    loss_h, sums_h = policy_loss(logp, b["old"], adv, b["mask"], clip=10.0, entropy=entropy, entropy_coef=0.1)
+    metrics_h = sums_h.mean()
     assert float(loss_h) == pytest.approx(float(loss) - 0.1 * float(torch.log(torch.tensor(16.0))), rel=1e-6)
     assert metrics_h["entropy"] == pytest.approx(float(torch.log(torch.tensor(16.0))), rel=1e-6)
 
@@ -195,7 +202,8 @@ def test_value_loss_clips_the_step_from_the_old_values() -> None:
     old = torch.tensor([[0.0, 0.0, 0.0]])
     ret = torch.tensor([[1.0, -1.0, 5.0]])
     v = torch.tensor([[0.5, 0.5, 9.0]], requires_grad=True)
-    loss, metrics = value_loss(v, old, ret, mask, clip=0.2)
+    loss, sums = value_loss(v, old, ret, mask, clip=0.2)
+    metrics = sums.mean()
     # token 0: unclipped (0.5−1)² = 0.25 vs clipped (0.2−1)² = 0.64 → 0.64, no grad
     # token 1: unclipped (0.5+1)² = 2.25 vs clipped (0.2+1)² = 1.44 → 2.25, grad flows
     assert float(loss.detach()) == pytest.approx(0.5 * (0.64 + 2.25) / 2)
@@ -253,3 +261,88 @@ def test_ppo_solves_a_four_arm_bandit(kl_in_reward: bool) -> None:
             vopt.step()
     assert float(logits.detach().softmax(0)[2]) > 0.9
     assert float(baseline.detach()) > 0.5  # the critic followed the rising reward
+
+
+# ---------------------------------------------------------------------------- aggregation
+
+LENGTHS = [1, 4, 4, 4]
+
+
+def unequal_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Responses of lengths [1, 4, 4, 4]: the case where a mean of means goes wrong."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(4)[None, :] < torch.tensor(LENGTHS)[:, None]).to(torch.float64)
+    old = -torch.rand(4, 4, generator=g, dtype=torch.float64) * 2
+    return {
+        "mask": mask,
+        "old": old,
+        "logp": old + 0.1 * torch.randn(4, 4, generator=g, dtype=torch.float64),
+        "adv": torch.randn(4, 4, generator=g, dtype=torch.float64),
+    }
+
+
+def test_token_mean_weights_every_token_alike_and_the_per_sequence_means_do_not() -> None:
+    m = unequal_batch()["mask"]
+    tm, sm, ss = (loss_weights(m, agg) for agg in LOSS_AGG)
+    assert tm[m.bool()].tolist() == [1 / 13] * 13
+    assert sm[0, 0] == pytest.approx(1 / 4) and sm[1, 0] == pytest.approx(1 / 16)
+    assert ss[m.bool()].tolist() == [1 / 16] * 13  # B = 4 rows, L = the mask's width 4
+    assert loss_weights(m, "seq_mean_token_sum", max_length=8)[m.bool()].tolist() == [1 / 32] * 13
+    assert all((w[~m.bool()] == 0).all() for w in (tm, sm, ss))
+    with pytest.raises(ValueError, match="loss_agg must be one of"):
+        loss_weights(m, "token-mean")
+
+
+@pytest.mark.parametrize("agg", LOSS_AGG)
+@pytest.mark.parametrize("splits", [[2, 2], [1, 3], [1, 1, 1, 1], [3, 1]])
+def test_split_batches_add_up_to_the_whole_loss_gradient_and_metrics(agg: str, splits: list[int]) -> None:
+    """Σ over micro-batches of Σ w·ℓ with the whole batch's weights is the whole batch's loss,
+    its gradient, and its metrics, however the rows are cut (a mean of means is not)."""
+    b = unequal_batch()
+    w = loss_weights(b["mask"], agg)
+    logp = b["logp"].clone().requires_grad_(True)
+    whole, whole_sums = policy_loss(logp, b["old"], b["adv"], b["mask"], clip=0.2, weights=w)
+    (whole_grad,) = torch.autograd.grad(whole, logp)
+    total, sums, grad = 0.0, None, torch.zeros_like(logp)
+    for rows in torch.arange(4).split(splits):
+        part = logp[rows].detach().requires_grad_(True)
+        loss, s = policy_loss(part, b["old"][rows], b["adv"][rows], b["mask"][rows], clip=0.2, weights=w[rows])
+        (g,) = torch.autograd.grad(loss, part)
+        grad[rows] = g
+        total += float(loss.detach())
+        sums = s if sums is None else sums + s
+    assert total == pytest.approx(float(whole.detach()), rel=1e-12)
+    torch.testing.assert_close(grad, whole_grad, rtol=1e-12, atol=1e-15)
+    assert sums.mean() == pytest.approx(whole_sums.mean(), rel=1e-12)
+
+
+def test_the_mean_of_micro_batch_means_is_what_token_mean_corrects() -> None:
+    """[1, 4, 4, 4] cut in two: the mean of the halves' token-means gives the short row's
+    token 1/10 (30% more than token_mean's 1/13) and the second half's tokens 1/16."""
+    b = unequal_batch()
+    logp = b["logp"].clone().requires_grad_(True)
+    mean_of_means = sum(policy_loss(logp[r], b["old"][r], b["adv"][r], b["mask"][r], clip=0.2)[0] for r in ([0, 1], [2, 3])) / 2
+    (g_old,) = torch.autograd.grad(mean_of_means, logp)
+    token_mean, _ = policy_loss(logp, b["old"], b["adv"], b["mask"], clip=0.2, weights=loss_weights(b["mask"]))
+    (g_new,) = torch.autograd.grad(token_mean, logp)
+    per_token = lambda g: (g / (-b["adv"] * torch.exp(b["logp"] - b["old"]))).abs()  # noqa: E731  (nothing clipped here)
+    assert float(per_token(g_new)[0, 0]) == pytest.approx(1 / 13) and float(per_token(g_new)[1, 0]) == pytest.approx(1 / 13)
+    assert float(per_token(g_old)[0, 0]) == pytest.approx(1 / 10) and float(per_token(g_old)[2, 0]) == pytest.approx(1 / 16)
+
+
+def test_value_loss_aggregates_like_the_policy_loss() -> None:
+    b = unequal_batch(1)
+    w = loss_weights(b["mask"], "seq_mean_token_mean")
+    v = b["logp"].clone().requires_grad_(True)
+    loss, sums = value_loss(v, b["old"], b["adv"], b["mask"], clip=0.2, weights=w)
+    per_token = 0.5 * torch.maximum((v - b["adv"]) ** 2, (b["old"] + (v - b["old"]).clamp(-0.2, 0.2) - b["adv"]) ** 2)
+    want = sum(float(per_token[i, :n].mean().detach()) for i, n in enumerate(LENGTHS)) / 4
+    assert float(loss) == pytest.approx(want, rel=1e-12) and sums.mean()["loss"] == pytest.approx(want, rel=1e-12)
+
+
+def test_a_wild_log_ratio_is_clamped_before_exp() -> None:
+    mask = torch.ones(1, 2)
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-1000.0, 0.0]])
+    loss, sums = policy_loss(logp, old, torch.tensor([[1.0, 1.0]]), mask, clip=0.2)
+    assert torch.isfinite(loss) and sums.mean()["ratio"] == pytest.approx((math.exp(20.0) + 1) / 2, rel=1e-6)
