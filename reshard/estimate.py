@@ -42,7 +42,7 @@ from typing import Collection, Sequence
 import numpy as np
 
 from .arrays import BufferTable, TransferArrays
-from .errors import CoverageError, LayoutError, MismatchError
+from .errors import CoverageError, LayoutError
 from .layout import EMU, TensorLayout, itemsize
 from .plan import STAGED, check_compatible
 
