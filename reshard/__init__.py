@@ -10,9 +10,14 @@ Pure planning (no process group, no I/O):
 
 Execution (the only modules that move bytes):
 
-- :mod:`.stream` — point-to-point between live ranks;
+- :mod:`.stream` — point-to-point between live ranks: the front door, built from
+  :mod:`.messages` (which transfers travel together, pure), :mod:`.agreement` (every
+  rank's verdict and the plan's fingerprint, before and after), :mod:`.rounds` (the round
+  engine and its staging arena) and :mod:`.transport` (gloo's or NCCL's semantics, from
+  the process group; the transition's one deadline);
 - :mod:`.staged` — through a memory-staged checkpoint, loaded with DCP;
-- :mod:`.execute` — one front door mixing both, and the budget fallback.
+- :mod:`.execute` — one front door mixing both, and the budget fallback;
+- :mod:`.checksum` — CRC32C block checksums, shared with the store.
 
 :mod:`.reference` builds deterministic tensors to check every element of a reshard.
 """

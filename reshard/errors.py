@@ -33,3 +33,16 @@ class ProcessGroupError(ReshardError):
 
 class TransferError(RuntimeError):
     """Bytes moved but arrived wrong (checksum mismatch) or a peer failed mid-transfer."""
+
+
+class TransitionTimeout(TransferError):
+    """A collective or point-to-point op of a transition missed the transition's deadline.
+
+    The process group is then unusable: ops of the transition may still be pending (a
+    receive posted on gloo, a batch queued on NCCL's stream, a collective's worker thread
+    still waiting) and would match later traffic. Destroy the group and create a new one
+    (in ``nereus train``: restart the workers, ``--resume``) before anything else runs on it.
+    ``rebuild_group`` is always True, for callers that test for it.
+    """
+
+    rebuild_group = True

@@ -4,13 +4,16 @@
 built with ``staged=True`` marks regions whose source ranks are gone as read from the
 staged checkpoint (``src_rank == STAGED``); one transition may mix both per EMU. Order:
 
-1. each rank checks its staged part (the boxes it reads exist whole, crc32 when
-   ``checksums``) without touching any buffer;
+1. each rank checks its staged part (the boxes it reads exist whole at the staged
+   version, and with ``checksums`` every block it will read matches its CRC32C) without
+   touching any buffer; any exception there (a damaged ``metadata.json`` included)
+   becomes the rank's verdict;
 2. :func:`~nereus.reshard.stream.execute_stream` validates its own part and AGREES across
    the group: a problem on any rank (staged or stream) makes every rank raise the same
    error before any byte moves;
-3. the stream runs (live ranks, point-to-point), then this rank loads its staged regions
-   into the same target buffers through DCP (:func:`~nereus.reshard.staged.load_staged`).
+3. the rounds run: streamed transfers point-to-point, staged regions read through DCP
+   (:func:`~nereus.reshard.staged.load_staged`) in the round the graph placed them, so
+   the memory the graph planned is the memory used.
 
 :func:`reshard_staged` is the full fallback on live ranks, for when no memory-feasible
 stream schedule exists: every rank stages its source boxes, the group agrees (which is
@@ -22,31 +25,25 @@ loads all its target regions from the staged checkpoint. Peak memory per rank is
 under a memory budget; if the graph planner raises :class:`MemoryBudgetError`, fall back to
 :func:`reshard_staged` (the decision is a pure function of the plan, so every rank takes
 the same branch).
+
+Every collective of one call runs under the call's ``timeout`` (one deadline); past it,
+:class:`~nereus.reshard.errors.TransitionTimeout` and the process group must be rebuilt.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Collection, MutableMapping
+import math
+from typing import Collection, MutableMapping
 
 import torch
 
-from .errors import MemoryBudgetError, ReshardError, TransferError
+from .agreement import agree, verdict_of
+from .errors import MemoryBudgetError
 from .layout import DTYPES
 from .plan import STAGED, Transfer, TransferPlan
-from .staged import check_staged, load_staged, save_staged, staged_transfers
-from .stream import StagingArena, StreamResult, StreamStats, agree, execute_stream, group_ranks
-
-
-def _verdict(step: Callable[[], object]) -> tuple[str, str] | None:
-    """Run a local step; its failure becomes ``(error class name, message)`` for the
-    group's agreement (an I/O failure counts as a TransferError)."""
-    try:
-        step()
-    except (ReshardError, TransferError) as e:
-        return type(e).__name__, str(e)
-    except OSError as e:
-        return "TransferError", f"I/O error: {e}"
-    return None
+from .staged import StagedLoadPlanner, StagedReader, check_staged, load_staged, run_load, save_staged, staged_transfers
+from .stream import StagingArena, StreamResult, StreamStats, execute_stream, group_ranks
+from .transport import Deadline, transport_for
 
 
 def execute(
@@ -62,21 +59,38 @@ def execute(
     release_sources: bool = False,
     timeout: float = 300.0,
     staging: StagingArena | None = None,
+    staged_version: int | None = None,
+    device=None,
+    transport=None,
 ) -> StreamResult:
     """Run ``plan`` on this rank: stream from live ranks, load staged regions from
-    ``staged_path``. Every rank of ``group`` calls it; ranks that are gone do not.
+    ``staged_path`` (at ``staged_version``; default: the newest staged there). Every rank
+    of ``group`` calls it; ranks that are gone do not.
 
     Returns this rank's target buffers (a :class:`StreamResult`, with ``.stats``).
     Raises, on every rank and before any byte moves, CoverageError when the plan reads
-    staged regions but ``staged_path`` is None or lacks a box, TransferError when a staged
-    box fails its crc32 (``checksums``), ProcessGroupError for stream problems.
+    staged regions but ``staged_path`` is None or lacks a box (or has it at another
+    version), TransferError when a staged block fails its CRC32C (``checksums``),
+    ProcessGroupError for stream problems or ranks that planned differently.
+    ``device``/``transport``: as for :func:`~nereus.reshard.stream.execute_stream`.
     """
     mine = staged_transfers(plan, rank)
+    readers: list[StagedReader] = []
 
     def precheck() -> None:  # without a path, every rank names the plan's staged regions
-        check_staged(staged_path, mine if staged_path else _all_staged(plan), checksums=checksums)
+        reader = check_staged(staged_path, mine if staged_path else _all_staged(plan), checksums=checksums,
+                              version=staged_version)
+        if reader is not None:
+            readers.append(reader)
 
-    result = execute_stream(
+    extra = verdict_of(precheck)
+
+    def staged_load(indices: list[int], dst: dict) -> int:
+        transfers = [plan.transfers[i] for i in indices]
+        run_load(readers[0], StagedLoadPlanner(transfers, dst))
+        return sum(math.prod(t.item.lengths) * DTYPES[plan.src_layouts[t.tensor].dtype].itemsize for t in transfers)
+
+    out = execute_stream(
         plan,
         graph,
         src_buffers,
@@ -87,13 +101,15 @@ def execute(
         timeout=timeout,
         release_sources=release_sources,
         staging=staging,
-        extra_error=_verdict(precheck),
+        extra_error=extra,
+        device=device,
+        transport=transport,
+        staged_load=staged_load,
+        options=(staged_path is not None, staged_version),
     )
-    if mine:
-        result.stats.bytes_staged = load_staged(staged_path, plan, rank, result, transfers=mine, verified=True)
-        if dst_buffers is not None:
-            dst_buffers.update(result)
-    return result
+    if dst_buffers is not None:
+        dst_buffers.update(out)
+    return out
 
 
 def _all_staged(plan: TransferPlan) -> list[Transfer]:
@@ -111,22 +127,29 @@ def reshard_staged(
     dst_buffers: MutableMapping[str, torch.Tensor] | None = None,
     checksums: bool = False,
     release_sources: bool = False,
+    timeout: float = 300.0,
+    version: int = 0,
 ) -> StreamResult:
     """The whole transition through a staged checkpoint at ``path`` (every group rank).
 
     ``live``: ranks whose source buffers may be staged (default: the group's ranks);
-    boxes no live rank holds must already be in ``path``. With ``release_sources`` this
-    rank's source buffers are popped from ``src_buffers`` once every box is staged and
-    verified; otherwise local regions are copied in memory and sources stay intact.
+    boxes no live rank holds must already be in ``path`` at ``version``. With
+    ``release_sources`` this rank's source buffers are popped from ``src_buffers`` once
+    every box is staged and verified; otherwise local regions are copied in memory and
+    sources stay intact. Both agreements run under one ``timeout``.
     """
     members = group_ranks(group)
     live = set(members) if live is None else set(live)
-    verdict = _verdict(lambda: save_staged(path, plan.src_layouts, src_buffers, rank=rank, live=live, checksums=checksums))
-    agree(verdict, group=group, rank=rank, members=members)  # also the barrier: all boxes are staged
+    transport, deadline = transport_for(group), Deadline(timeout)
+    verdict = verdict_of(lambda: save_staged(path, plan.src_layouts, src_buffers, rank=rank, live=live,
+                                             checksums=checksums, version=version))
+    # also the barrier: all boxes are staged
+    agree(verdict, group=group, members=members, transport=transport, deadline=deadline)
     wanted = [t for t in plan.transfers if t.dst_rank == rank]
     local = [] if release_sources else [t for t in wanted if t.src_rank == rank]
     loads = [t for t in wanted if release_sources or t.src_rank != rank]
-    agree(_verdict(lambda: check_staged(path, loads, checksums=checksums)), group=group, rank=rank, members=members)
+    agree(verdict_of(lambda: check_staged(path, loads, checksums=checksums, version=version)), group=group,
+          members=members, transport=transport, deadline=deadline)
     if release_sources:
         for name in plan.src_buffers.get(rank, {}):
             src_buffers.pop(name, None)
@@ -138,7 +161,7 @@ def reshard_staged(
     for t in local:
         t.dst_view(out).copy_(t.src_view(src_buffers))
         out.stats.bytes_copied += t.nbytes
-    out.stats.bytes_staged = load_staged(path, plan, rank, out, transfers=loads, verified=True)
+    out.stats.bytes_staged = load_staged(path, plan, rank, out, transfers=loads, verified=True, version=version)
     if dst_buffers is not None:
         dst_buffers.update(out)
     return out
@@ -186,7 +209,7 @@ def reshard(
         )
     return reshard_staged(
         plan, src_buffers, rank=rank, path=staged_path, group=group, dst_buffers=dst_buffers,
-        checksums=checksums, release_sources=release_sources,
+        checksums=checksums, release_sources=release_sources, timeout=timeout,
     )
 
 

@@ -7,7 +7,8 @@ of its last read, and one that no transfer reads is freed before round 0. During
 non-local transfer costs transient bytes: ``nbytes`` on the sender when its source region
 is not one contiguous span of the buffer (it is packed into a send buffer), ``nbytes`` on
 the receiver when its destination region is not (it is received into a staging buffer,
-then copied). Staged reads (``src == STAGED``) count on the receiver only; local copies
+then copied), and ``nbytes`` on both sides when it is smaller than ``coalesce`` (small
+transfers travel packed together, ``messages.COALESCE_BYTES``). Staged reads (``src == STAGED``) count on the receiver only; local copies
 (``copy_`` between views) cost nothing transient. So during round k a rank holds
 
     held(k) = sources not yet freed + targets allocated at or before k + transients of k,
@@ -54,6 +55,7 @@ import numpy as np
 
 from .arrays import LINK_CLASSES, TransferArrays, link_classes
 from .errors import MemoryBudgetError
+from .messages import COALESCE_BYTES
 from .plan import STAGED
 
 FREED_BEFORE = -1
@@ -187,7 +189,10 @@ class TransitionGraph:
     ``alloc_round[b]``: target buffer b is allocated before that round; ``free_round[b]``:
     source buffer b is freed after that round (FREED_BEFORE: before round 0; KEPT: never).
     ``peak_bytes``: per rank, the most it holds at any moment (module docstring);
-    ``round_seconds``/``seconds``: the alpha-beta estimate per round and in total.
+    ``round_seconds``/``seconds``: the alpha-beta estimate per round and in total;
+    ``held``: per round and rank, the bytes held without the round's transients (sources not
+    yet freed + targets allocated); ``limit``: the budget per rank (``_UNBOUNDED``: none);
+    ``coalesce``: the size under which transfers were counted as packed on both sides.
     """
 
     arrays: TransferArrays
@@ -199,6 +204,9 @@ class TransitionGraph:
     round_seconds: np.ndarray
     seconds: float
     max_messages: int
+    held: np.ndarray = None
+    limit: np.ndarray = None
+    coalesce: int = COALESCE_BYTES
 
     _by_rank: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -223,6 +231,18 @@ class TransitionGraph:
                 )
             )
         return out
+
+    def budget_of(self, rank: int) -> int | None:
+        """The budget the graph was planned under for ``rank`` (None: unbounded)."""
+        if self.limit is None or rank < 0 or rank >= len(self.limit) or self.limit[rank] >= _UNBOUNDED:
+            return None
+        return int(self.limit[rank])
+
+    def held_bytes(self, rank: int, round_: int) -> int:
+        """Bytes ``rank`` holds during ``round_`` without that round's transients."""
+        if self.held is None or not (0 <= round_ < self.held.shape[0]) or rank >= self.held.shape[1]:
+            return 0
+        return int(self.held[round_, rank])
 
     def _mine(self, rank: int) -> dict[str, np.ndarray]:
         """Transfer and buffer ids of ``rank``, ascending, from per-rank indexes built once."""
@@ -256,6 +276,7 @@ def plan_graph(
     release_sources: bool = False,
     max_messages: int = 64,
     cost: LinkCost = LinkCost(),
+    coalesce: int = COALESCE_BYTES,
 ) -> TransitionGraph:
     """Schedule ``arrays`` into rounds within every rank's memory budget (module docstring).
 
@@ -284,7 +305,7 @@ def plan_graph(
     for r in ranks:
         present[r] = True
     limit = _limits(budget, width)
-    schedule = _Schedule(arrays, limit, release_sources, max_messages, width)
+    schedule = _Schedule(arrays, limit, release_sources, max_messages, width, coalesce)
     schedule.run()
     num_rounds = max(1, int(schedule.round_of.max(initial=-1)) + 1)
     alloc_round = np.zeros(len(arrays.dst_buffers), dtype=np.int64)
@@ -297,7 +318,7 @@ def plan_graph(
         free_round[:] = FREED_BEFORE
         reads = arrays.src_buf >= 0
         np.maximum.at(free_round, arrays.src_buf[reads], schedule.round_of[reads])
-    peak = _peaks(arrays, schedule.round_of, alloc_round, free_round, num_rounds, width)
+    peak, held = _peaks(arrays, schedule.round_of, alloc_round, free_round, num_rounds, width, coalesce)
     round_seconds = _round_seconds(arrays, schedule.round_of, num_rounds, width, cost)
     return TransitionGraph(
         arrays=arrays,
@@ -309,6 +330,9 @@ def plan_graph(
         round_seconds=round_seconds,
         seconds=float(round_seconds.sum()),
         max_messages=max_messages,
+        held=held,
+        limit=limit,
+        coalesce=coalesce,
     )
 
 
@@ -323,11 +347,13 @@ def _limits(budget: int | Mapping[int, int] | None, width: int) -> np.ndarray:
     return limit
 
 
-def _transients(a: TransferArrays) -> tuple[np.ndarray, np.ndarray]:
+def _transients(a: TransferArrays, coalesce: int = COALESCE_BYTES) -> tuple[np.ndarray, np.ndarray]:
     """Transient bytes per transfer on the sender and on the receiver (module docstring)."""
     local = a.src == a.dst
-    sender = np.where(~local & (a.src != STAGED) & ~a.src_contig, a.nbytes, 0)
-    receiver = np.where(~local & ~a.dst_contig, a.nbytes, 0)
+    live = a.src != STAGED
+    small = live & (a.nbytes < coalesce)
+    sender = np.where(~local & live & (~a.src_contig | small), a.nbytes, 0)
+    receiver = np.where(~local & (~a.dst_contig | small), a.nbytes, 0)
     return sender, receiver
 
 
@@ -366,8 +392,9 @@ class _Schedule:
     PASSES = 4  # vectorized passes per round before the round is closed
     WINDOW = 2  # candidates: each rank's first WINDOW * max_messages pending messages
 
-    def __init__(self, a: TransferArrays, limit: np.ndarray, release: bool, cap: int, width: int) -> None:
+    def __init__(self, a: TransferArrays, limit: np.ndarray, release: bool, cap: int, width: int, coalesce: int) -> None:
         n = len(a)
+        self.coalesce = coalesce
         self.a, self.limit, self.release, self.cap, self.width = a, limit, release, cap, width
         self.bounded = bool((limit < _UNBOUNDED).any())
         self.round_of = np.full(n, -1, dtype=np.int64)
@@ -397,7 +424,7 @@ class _Schedule:
         a = self.a
         local = a.src == a.dst
         has_send = ~local & (a.src != STAGED)
-        sender, receiver = _transients(a)
+        sender, receiver = _transients(a, self.coalesce)
         order = _priority(a, self.width)
         pair = 1 + has_send[order]
         t = np.repeat(order, pair)
@@ -526,8 +553,9 @@ class _Schedule:
             np.subtract.at(self.held, self.a.src_buffers.rank[emptied], self.a.src_buffers.nbytes[emptied])
 
 
-def _peaks(a: TransferArrays, round_of, alloc_round, free_round, rounds: int, width: int) -> np.ndarray:
-    """Per rank, the most bytes held at any moment (the schedule replayed round by round)."""
+def _peaks(a: TransferArrays, round_of, alloc_round, free_round, rounds: int, width: int, coalesce: int):
+    """Per rank, the most bytes held at any moment (the schedule replayed round by round),
+    and the (rounds, width) holdings without transients."""
     start = np.zeros(width, dtype=np.int64)
     np.add.at(start, a.src_buffers.rank, a.src_buffers.nbytes)
     delta = np.zeros((rounds + 1) * width, dtype=np.int64)
@@ -535,12 +563,13 @@ def _peaks(a: TransferArrays, round_of, alloc_round, free_round, rounds: int, wi
     np.subtract.at(delta, (free_round[freed] + 1) * width + a.src_buffers.rank[freed], a.src_buffers.nbytes[freed])
     np.add.at(delta, alloc_round * width + a.dst_buffers.rank, a.dst_buffers.nbytes)
     during = start + np.cumsum(delta.reshape(rounds + 1, width), axis=0)[:rounds]
-    sender, receiver = _transients(a)
+    held = during.copy()
+    sender, receiver = _transients(a, coalesce)
     flat = during.reshape(-1)
     sends = a.src != STAGED
     np.add.at(flat, round_of[sends] * width + a.src[sends], sender[sends])
     np.add.at(flat, round_of * width + a.dst, receiver)
-    return np.maximum(start, during.max(axis=0))
+    return np.maximum(start, during.max(axis=0)), held
 
 
 def _round_seconds(a: TransferArrays, round_of, rounds: int, width: int, cost: LinkCost) -> np.ndarray:

@@ -4,23 +4,42 @@ A staged checkpoint holds every distinct SOURCE box of a transition once, keyed 
 name and global offsets — never by rank or world size — so any rank of any later layout
 can read any region of it, even after the ranks that wrote it are gone::
 
-    <path>/metadata.json                  {"schema": 1, "tensors": {name: {shape, dtype, boxes}}}
-    <path>/<quote(name)>@<o0_o1_..>.bin   raw row-major bytes of the box at offsets o
-    <path>/<...>.bin.crc32                crc32 of that file, 8 hex digits (optional)
+    <path>/metadata.json                      {"schema": 2, "version": v, "tensors": {name: {shape, dtype,
+                                               boxes: [[offsets, lengths, version], ...]}}, "crc32c": ...}
+    <path>/<quote(name)>@<o0_o1_..>@v<v>.bin   raw row-major bytes of the box at offsets o, version v
+    <path>/<...>.bin.crc32c                   {"block": B, "crc32c": [one per B-byte block]} (optional)
 
-(``quote`` is ``urllib.parse.quote(name, safe="")``; a 0-d tensor's box is ``@scalar``.)
-Each box is written by its lowest live holder, to a temporary name renamed into place,
-so a reader sees a box whole or not at all; ``metadata.json`` may be written by every
-writer (same bytes, also atomic). ``path`` is any fsspec path or URL: a local directory
-(default root ``/dev/shm/nereus``, node shared memory), ``file://``, ``memory://``, ...
+(``quote`` is ``urllib.parse.quote(name, safe="")``; a 0-d tensor's box is ``@scalar``; a
+box of version None — the store's checkpoint data, one version per directory — has no
+``@v`` part.) ``metadata.json`` carries the CRC32C of its own canonical JSON, so a
+truncated or damaged one is an error naming it, never a parse error deep in a load.
+
+Versions. Every save states the EMU version it stages (``version``); each box records the
+version it was written at. A later save at another version rewrites the boxes that have a
+live holder and keeps the entries of boxes nobody could rewrite (a rank that left) with
+their OLD version, so a reader — which by default reads the newest version only — gets an
+error naming such a box instead of old bytes silently mixed with fresh ones. Boxes of a
+tensor cut differently than before are dropped. Each box is written by its lowest live
+holder to a temporary name renamed into place, so a reader sees a box whole or not at all;
+every writer of one save computes the same ``metadata.json`` from (layouts, live set,
+version, the previous record), so concurrent writers agree on its bytes.
+
+Why not ``dcp.save``: DCP's save is collective — every rank's plan goes to a coordinator,
+whose ``finish`` writes the metadata — while a staged save must work when some ranks are
+gone and each rank stages on its own (a rank about to leave stages its shards alone).
+Under ``no_dist`` every rank would be its own coordinator with nothing left to plan, so a
+``SavePlanner`` would add no check; the writes are plain atomic file writes instead. (The
+store's checkpoints, whose ranks are all alive, do go through ``dcp.save``.)
 
 Loading goes through ``torch.distributed.checkpoint.load`` with two narrow pieces:
 
-- :class:`StagedReader` (a DCP ``StorageReader``) turns ``metadata.json`` into DCP
-  ``Metadata`` (each tensor's chunks = its boxes) and, in ``read_data``, reads for each
-  ``ReadItem`` only the bytes it needs: local files are memory-mapped (only the touched
-  pages are read), other filesystems get one ranged read of the item's covering span
-  ``[lin(o), lin(o + n - 1) + 1) * itemsize`` where ``lin`` is the row-major index in the box;
+- :class:`StagedReader` (a DCP ``StorageReader``) turns the record into DCP ``Metadata``
+  (each tensor's chunks = its boxes) and, in ``read_data``, reads for each box only what
+  its items need: local files are memory-mapped (only the touched pages are read), other
+  filesystems get ranged reads of the items' contiguous runs (``checksum.region_runs``:
+  runs separated by less than a run are merged, so under 2x the region's bytes). With
+  ``verify`` the reader fetches whole checksum blocks instead and checks each block's
+  CRC32C on the very bytes it then copies from: one read, verified;
 - :class:`StagedLoadPlanner` (a DCP ``LoadPlanner``) whose local plan is exactly the
   transition plan's ``ReadItem`` s for this rank and whose ``resolve_tensor`` returns the
   destination view, so bytes land in the target buffers with one copy.
@@ -35,7 +54,6 @@ import json
 import math
 import uuid
 import warnings
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Mapping, MutableMapping, Sequence
@@ -58,12 +76,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .checksum import BLOCK, block_checksums, block_runs, blocks_of, crc32c, region_runs
 from .errors import CoverageError, LayoutError, TransferError
 from .layout import DTYPES, Dims, TensorLayout, box_view, itemsize, shard_view
 from .plan import STAGED, Transfer, TransferPlan
 
-SCHEMA = 1
+SCHEMA = 2
 METADATA = "metadata.json"
+SIDECAR = ".crc32c"
 DEFAULT_ROOT = "/dev/shm/nereus"
 
 
@@ -72,10 +92,10 @@ def default_staged_path(name: str) -> str:
     return f"{DEFAULT_ROOT}/{quote(name, safe='')}"
 
 
-def box_file(name: str, offsets: Sequence[int]) -> str:
-    """File name of a box: the escaped tensor name and the box's global offsets."""
+def box_file(name: str, offsets: Sequence[int], version: int | None = None) -> str:
+    """File name of a box: the escaped tensor name, the box's global offsets, its version."""
     where = "_".join(str(int(o)) for o in offsets) or "scalar"
-    return f"{quote(name, safe='')}@{where}.bin"
+    return f"{quote(name, safe='')}@{where}{'' if version is None else f'@v{int(version)}'}.bin"
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:
@@ -90,10 +110,35 @@ def _atomic_write(fs, path: str, data) -> None:
     fs.mv(tmp, path)
 
 
-def staged_metadata(layouts: Mapping[str, TensorLayout]) -> dict:
-    """The JSON record of a staged checkpoint: shapes, dtypes, non-empty distinct boxes."""
+def seal(record: dict) -> bytes:
+    """``record`` as canonical JSON with the CRC32C of that JSON added (key ``crc32c``)."""
+    body = {k: v for k, v in record.items() if k != "crc32c"}
+    text = json.dumps(body, sort_keys=True)
+    return json.dumps({**body, "crc32c": f"{crc32c(text.encode()):08x}"}, sort_keys=True).encode()
+
+
+def unseal(raw: bytes, where: str) -> dict:
+    """The record of :func:`seal` bytes; CoverageError naming ``where`` unless whole and intact."""
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CoverageError(f"staged metadata {where!r} is not valid JSON ({e}): truncated or corrupted") from None
+    if not isinstance(record, dict):
+        raise CoverageError(f"staged metadata {where!r} is not a JSON object: corrupted")
+    if record.get("schema") == 1:  # written before versions and self-checksums: no crc to check
+        return record
+    want = record.get("crc32c")
+    body = json.dumps({k: v for k, v in record.items() if k != "crc32c"}, sort_keys=True)
+    if want != f"{crc32c(body.encode()):08x}":
+        raise CoverageError(f"staged metadata {where!r} fails its own crc32c (stored {want!r}): corrupted")
+    return record
+
+
+def staged_metadata(layouts: Mapping[str, TensorLayout], version: int | None = None) -> dict:
+    """The record of a staged checkpoint: shapes, dtypes, non-empty distinct boxes, version."""
     return {
         "schema": SCHEMA,
+        "version": version,
         "tensors": {
             name: {
                 "shape": list(t.shape),
@@ -113,12 +158,16 @@ def save_staged(
     rank: int,
     live: Collection[int] | None = None,
     checksums: bool = False,
+    version: int = 0,
 ) -> list[str]:
     """Write the boxes ``rank`` is the lowest live holder of; returns the files written.
 
     ``layouts`` are the merged SOURCE layouts (``plan.src_layouts``); every live rank
-    calls this with the same layouts and its own ``buffers``. A box with no live holder
-    is skipped (it must have been staged earlier). ``checksums`` adds a crc32 sidecar.
+    calls this with the same layouts and ``version`` and its own ``buffers``. A box with no
+    live holder is not written: a file of it staged earlier keeps its own version in its
+    name, so a read of this version names it instead of using it (module docstring). A
+    rewritten box's files of other versions are removed. ``checksums`` adds a CRC32C block
+    sidecar per box.
     """
     fs, root = fsspec.core.url_to_fs(path)
     fs.makedirs(root, exist_ok=True)
@@ -132,42 +181,67 @@ def save_staged(
                 view = shard_view(buffers, layout, alive[0])
             except KeyError:
                 raise LayoutError(
-                    f"rank {rank} must stage tensor {name!r} box at {offsets} but has no buffer "
+                    f"rank {rank} must stage tensor {name!r} box at {list(offsets)} but has no buffer "
                     f"{alive[0].buffer or name!r}"
                 ) from None
             if tuple(view.shape) != tuple(lengths) or view.dtype != DTYPES[layout.dtype]:
                 raise LayoutError(
-                    f"rank {rank}: buffer for tensor {name!r} box at {offsets} is {list(view.shape)} "
+                    f"rank {rank}: buffer for tensor {name!r} box at {list(offsets)} is {list(view.shape)} "
                     f"{view.dtype}, expected {list(lengths)} {layout.dtype}"
                 )
             data = _host_bytes(view)
-            target = f"{root}/{box_file(name, offsets)}"
+            target = f"{root}/{box_file(name, offsets, version)}"
             _atomic_write(fs, target, data)
             if checksums:
-                _atomic_write(fs, target + ".crc32", f"{zlib.crc32(data):08x}".encode())
+                sums = {"block": BLOCK, "crc32c": list(block_checksums(data, BLOCK))}
+                _atomic_write(fs, target + SIDECAR, json.dumps(sums).encode())
             written.append(target)
-    _write_metadata(fs, root, staged_metadata(layouts))
+            for old in _versions(fs, root, name, offsets):
+                if old != version:
+                    for p in (f"{root}/{box_file(name, offsets, old)}", f"{root}/{box_file(name, offsets, old)}{SIDECAR}"):
+                        _remove(fs, p)
+    old = _read_record(fs, root)
+    _atomic_write(fs, f"{root}/{METADATA}", seal(merge_records(old, layouts, version)))
     return written
 
 
-def _write_metadata(fs, root: str, record: dict) -> None:
-    """Write ``metadata.json``, keeping tensors an earlier save staged there (a rank that
-    staged its shards before leaving, a later save of a subset). Writers of one save
-    write identical bytes; a tensor staged before with other boxes is refused: a staged
-    directory holds one version of the state."""
-    path = f"{root}/{METADATA}"
+def _remove(fs, path: str) -> None:
     try:
-        old = json.loads(fs.cat_file(path))["tensors"]
+        fs.rm(path)
     except FileNotFoundError:
-        old = {}
-    for name, t in record["tensors"].items():
-        if name in old and old[name] != t:
-            raise LayoutError(
-                f"staged checkpoint {root!r} already holds tensor {name!r} as {old[name]['shape']} "
-                f"{old[name]['dtype']} with other boxes; stage a different layout into a fresh path"
-            )
-    record = {**record, "tensors": {**old, **record["tensors"]}}
-    _atomic_write(fs, path, json.dumps(record, sort_keys=True).encode())
+        pass
+
+
+def _versions(fs, root: str, name: str, offsets) -> list[int]:
+    """The versions of one box that have a file in ``root``."""
+    stem = box_file(name, offsets)[: -len(".bin")]
+    out = []
+    for p in fs.glob(f"{root}/{_glob_escape(stem)}@v*.bin"):
+        tail = p.rsplit("@v", 1)[1][: -len(".bin")]
+        if tail.isdigit():
+            out.append(int(tail))
+    return sorted(out)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in text)
+
+
+def _read_record(fs, root: str) -> dict | None:
+    try:
+        raw = fs.cat_file(f"{root}/{METADATA}")
+    except FileNotFoundError:
+        return None
+    return unseal(raw, f"{root}/{METADATA}")
+
+
+def merge_records(old: dict | None, layouts: Mapping[str, TensorLayout], version: int) -> dict:
+    """The record after a save at ``version`` (pure): this save's tensors as its layouts
+    cut them, tensors the save does not name as an earlier save recorded them. Every writer
+    of one save computes the same record (it does not depend on which boxes a rank wrote)."""
+    tensors = dict((old or {}).get("tensors", {}))
+    tensors.update(staged_metadata(layouts, version)["tensors"])
+    return {"schema": SCHEMA, "version": version, "tensors": dict(sorted(tensors.items()))}
 
 
 # ------------------------------------------------------------------------------ reading
@@ -175,41 +249,59 @@ def _write_metadata(fs, root: str, record: dict) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StagedBox:
-    """One box file: the tensor, the box's global offsets and lengths, dtype, path."""
+    """One box file: the tensor, the box's global offsets and lengths, dtype, path, version
+    and, when known up front (a store manifest), its block checksums."""
 
     tensor: str
     offsets: Dims
     lengths: Dims
     dtype: str
     path: str
+    version: int | None = None
+    checksums: tuple[str, ...] | None = None
+    block: int = BLOCK
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.lengths) * itemsize(self.dtype)
 
-    def span(self, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:
-        """Byte range [start, end) of the box file covering the region (row-major)."""
-        strides = [math.prod(self.lengths[d + 1 :]) for d in range(len(self.lengths))]
-        first = sum(o * s for o, s in zip(offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
-        size = itemsize(self.dtype)
-        return first * size, (last + 1) * size
+    def runs(self, offsets: Sequence[int], lengths: Sequence[int]) -> list[tuple[int, int]]:
+        """Byte runs [start, end) of the box file that hold the region (``region_runs``)."""
+        return region_runs(self.lengths, itemsize(self.dtype), offsets, lengths)
+
+    def where(self) -> str:
+        return f"staged box file {self.path!r} of tensor {self.tensor!r} (box at {list(self.offsets)})"
+
+
+def record_from_boxes(boxes: Iterable[StagedBox], shapes: Mapping[str, tuple[Sequence[int], str]], version=None) -> dict:
+    """A reader record from explicit boxes (the store builds one from its manifest)."""
+    tensors: dict[str, dict] = {n: {"shape": list(s), "dtype": d, "boxes": []} for n, (s, d) in shapes.items()}
+    for b in boxes:
+        tensors[b.tensor]["boxes"].append(b)
+    return {"schema": SCHEMA, "version": version, "tensors": tensors}
 
 
 class StagedReader(StorageReader):
     """DCP ``StorageReader`` over a staged directory (see the module docstring).
 
-    Call order (DCP's): read_metadata, set_up_storage_reader, prepare_local_plan,
-    prepare_global_plan (coordinator; here every rank is its own), read_data.
+    ``record``: the checkpoint's record (default: read ``metadata.json``); its boxes may be
+    :class:`StagedBox` es carrying paths and checksums. ``verify``: check the CRC32C of
+    every block read. ``version``: the version every box read must have (default: the
+    record's newest). Call order (DCP's): read_metadata, set_up_storage_reader,
+    prepare_local_plan, prepare_global_plan (coordinator; here every rank is its own),
+    read_data.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, record: dict | None = None, verify: bool = False, version: int | None = None) -> None:
         super().__init__()
         self.path = path
         self.fs, self.root = fsspec.core.url_to_fs(path)
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.record, self.verify, self.version = record, verify, version
         self.metadata: Metadata | None = None
         self.boxes: dict[MetadataIndex, StagedBox] = {}
+        self.bytes_read = 0
+        self._sums: dict[str, tuple[int, tuple[str, ...]]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Nothing to reset: one reader serves one load of one staged path."""
@@ -222,30 +314,35 @@ class StagedReader(StorageReader):
         if self.metadata is not None:
             return self.metadata
         meta_path = f"{self.root}/{METADATA}"
-        try:
-            record = json.loads(self.fs.cat_file(meta_path))
-        except FileNotFoundError:
-            raise CoverageError(f"staged checkpoint {self.path!r} has no {METADATA} (nothing was staged there)") from None
-        if record.get("schema") != SCHEMA:
+        record = self.record
+        if record is None:
+            try:
+                record = unseal(self.fs.cat_file(meta_path), meta_path)
+            except FileNotFoundError:
+                raise CoverageError(f"staged checkpoint {self.path!r} has no {METADATA} (nothing was staged there)") from None
+        if record.get("schema") not in (1, SCHEMA):
             raise CoverageError(f"staged checkpoint {meta_path!r} has schema {record.get('schema')!r}, expected {SCHEMA}")
+        if self.version is None:
+            self.version = record.get("version")
         tensors = {}
-        for name, t in record["tensors"].items():
-            chunks = []
-            for offsets, lengths in t["boxes"]:
-                box = StagedBox(
-                    tensor=name,
-                    offsets=tuple(offsets),
-                    lengths=tuple(lengths),
-                    dtype=t["dtype"],
-                    path=f"{self.root}/{box_file(name, offsets)}",
+        try:
+            for name, t in record["tensors"].items():
+                chunks = []
+                for entry in t["boxes"]:
+                    box = entry if isinstance(entry, StagedBox) else self._box(name, t["dtype"], entry[0], entry[1], self.version)
+                    self.boxes[MetadataIndex(name, box.offsets)] = box
+                    chunks.append(ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.lengths)))
+                tensors[name] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=DTYPES[t["dtype"]]), size=torch.Size(t["shape"]), chunks=chunks
                 )
-                self.boxes[MetadataIndex(name, offsets)] = box
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(lengths)))
-            tensors[name] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=DTYPES[t["dtype"]]), size=torch.Size(t["shape"]), chunks=chunks
-            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CoverageError(f"staged metadata {meta_path!r} is malformed ({type(e).__name__}: {e})") from None
         self.metadata = Metadata(state_dict_metadata=tensors, storage_data=dict(self.boxes))
         return self.metadata
+
+    def _box(self, name: str, dtype: str, offsets, lengths, version=None) -> StagedBox:
+        return StagedBox(tensor=name, offsets=tuple(offsets), lengths=tuple(lengths), dtype=dtype, version=version,
+                         path=f"{self.root}/{box_file(name, offsets, version)}")
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.metadata = metadata
@@ -267,67 +364,142 @@ class StagedReader(StorageReader):
         return box
 
     def check(self, items: Iterable[ReadItem], *, checksums: bool = False) -> None:
-        """Raise unless every box the items read exists whole (and matches its crc32)."""
+        """Raise unless every box the items read exists whole; with ``checksums``, also
+        verify the blocks the items read (CRC32C, from the record or the sidecars)."""
+        items = list(items)
         for box in {id(b): b for b in (self.box(i) for i in items)}.values():
             try:
                 size = self.fs.size(box.path)
             except FileNotFoundError:
                 size = None
             if size is None:
-                raise CoverageError(f"staged box file {box.path!r} of tensor {box.tensor!r} (box at {list(box.offsets)}) is missing")
+                other = [] if box.version is None else _versions(self.fs, self.root, box.tensor, box.offsets)
+                if other:
+                    raise CoverageError(
+                        f"{box.where()} is missing at version {box.version}: it was staged at version(s) {other} "
+                        "only (its holder left before staging it again)"
+                    )
+                raise CoverageError(f"{box.where()} is missing")
             if size != box.nbytes:
                 raise CoverageError(
-                    f"staged box file {box.path!r} of tensor {box.tensor!r} has {size} bytes, expected "
-                    f"{box.nbytes} ({list(box.lengths)} {box.dtype}): truncated or foreign"
+                    f"{box.where()} has {size} bytes, expected {box.nbytes} ({list(box.lengths)} {box.dtype}): truncated or foreign"
                 )
-            if checksums:
-                self._check_crc(box)
+        if checksums:
+            for box, its in self._by_box(items):
+                self._verified_bytes(box, its, fetch=not self.local)
 
-    def _check_crc(self, box: StagedBox) -> None:
-        try:
-            want = int(self.fs.cat_file(box.path + ".crc32").decode().strip(), 16)
-        except FileNotFoundError:
-            raise CoverageError(f"staged box file {box.path!r} of tensor {box.tensor!r} has no .crc32 sidecar") from None
-        data = np.memmap(box.path, dtype=np.uint8, mode="r") if self.local else self.fs.cat_file(box.path)
-        got = zlib.crc32(data)
-        if got != want:
-            raise TransferError(
-                f"staged box file {box.path!r} of tensor {box.tensor!r} (box at {list(box.offsets)}) has crc32 "
-                f"{got:08x}, staged as {want:08x}: corrupted"
-            )
+    def _by_box(self, items: Iterable[ReadItem]) -> list[tuple[StagedBox, list[ReadItem]]]:
+        groups: dict[str, list[ReadItem]] = defaultdict(list)
+        boxes: dict[str, StagedBox] = {}
+        for item in items:
+            box = self.box(item)
+            groups[box.path].append(item)
+            boxes[box.path] = box
+        return [(boxes[p], its) for p, its in groups.items()]
 
-    def mapped(self, box: StagedBox) -> torch.Tensor | None:
-        """The whole box as a tensor over a memory map of a local file (None: not local).
+    def _checksums(self, box: StagedBox) -> tuple[int, tuple[str, ...]]:
+        if box.checksums is not None:
+            return box.block, box.checksums
+        if box.path not in self._sums:
+            try:
+                raw = json.loads(self.fs.cat_file(box.path + SIDECAR))
+                self._sums[box.path] = int(raw["block"]), tuple(raw["crc32c"])
+            except FileNotFoundError:
+                raise CoverageError(f"{box.where()} has no {SIDECAR} sidecar (staged without checksums)") from None
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+                raise TransferError(f"{box.where()}: its {SIDECAR} sidecar is damaged") from None
+        return self._sums[box.path]
 
-        Copy-on-write mapping: nothing is read until a region's pages are touched."""
-        if not self.local:
-            return None
+    def _verified_bytes(self, box: StagedBox, items: Sequence[ReadItem], *, fetch: bool) -> dict[tuple[int, int], memoryview]:
+        """Check the CRC32C of every block the items touch; returns the fetched block runs
+        ``{(start, end): bytes}`` (``fetch``) or nothing (local: checked on the memory map)."""
+        block, sums = self._checksums(box)
+        needed = sorted({b for i in items for a, z in box.runs(i.storage_offsets, i.lengths) for b in blocks_of(a, z, block)})
+        if needed and needed[-1] >= len(sums):
+            raise TransferError(f"{box.where()} has more blocks than its {len(sums)} checksums: corrupted")
+        whole = None if fetch else self._map(box)
+        out = {}
+        ranges = [(a * block, min(z * block, box.nbytes)) for a, z in block_runs(needed)]
+        data = self._cat(box, ranges) if fetch else [whole[a:z] for a, z in ranges]
+        for (a, z), raw in zip(ranges, data):
+            for b in range(a // block, -(-z // block)):
+                lo, hi = b * block - a, min((b + 1) * block, z) - a
+                got = f"{crc32c(raw[lo:hi]):08x}"
+                if got != sums[b]:
+                    raise TransferError(
+                        f"{box.where()} has crc32c {got} in bytes [{b * block}, {min((b + 1) * block, box.nbytes)}), "
+                        f"staged as {sums[b]}: corrupted"
+                    )
+            if fetch:
+                out[a, z] = memoryview(raw)
+        return out
+
+    def _cat(self, box: StagedBox, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        if not ranges:
+            return []
+        self.bytes_read += sum(z - a for a, z in ranges)
+        if len(ranges) == 1:
+            (a, z), = ranges
+            return [self.fs.cat_file(box.path, start=a, end=z)]
+        return self.fs.cat_ranges([box.path] * len(ranges), [a for a, _ in ranges], [z for _, z in ranges])
+
+    def _map(self, box: StagedBox) -> np.ndarray:
+        return np.memmap(box.path, dtype=np.uint8, mode="r", shape=(box.nbytes,)) if box.nbytes else np.zeros(0, np.uint8)
+
+    def mapped(self, box: StagedBox) -> torch.Tensor:
+        """The whole box as a tensor over a copy-on-write memory map of a local file:
+        nothing is read until a region's pages are touched."""
+        if not box.nbytes:
+            return torch.empty(box.lengths, dtype=DTYPES[box.dtype])
         raw = torch.from_numpy(np.memmap(box.path, dtype=np.uint8, mode="c", shape=(box.nbytes,)))
         return raw.view(DTYPES[box.dtype]).view(box.lengths)
 
-    def region(self, box: StagedBox, item: ReadItem, whole: torch.Tensor | None = None) -> torch.Tensor:
-        """The item's region of the box: a view of the mapped box, or one ranged read."""
-        if whole is not None:
-            return box_view(whole, tuple(item.storage_offsets), tuple(item.lengths))
-        start, end = box.span(item.storage_offsets, item.lengths)
-        raw = torch.frombuffer(bytearray(self.fs.cat_file(box.path, start=start, end=end)), dtype=torch.uint8)
-        strides = [math.prod(box.lengths[d + 1 :]) for d in range(len(box.lengths))]
-        return torch.as_strided(raw.view(DTYPES[box.dtype]), tuple(item.lengths), strides, 0)
+    def _region(self, box: StagedBox, item: ReadItem, fetched: Mapping[tuple[int, int], memoryview]) -> torch.Tensor:
+        """The item's region, assembled from fetched byte ranges (one copy of its runs)."""
+        size = itemsize(box.dtype)
+        spans = sorted(fetched)
+        out = np.empty(math.prod(item.lengths) * size, dtype=np.uint8)
+        at = k = 0
+        for a, z in region_runs(box.lengths, size, item.storage_offsets, item.lengths, merge=False):
+            while not (spans[k][0] <= a and z <= spans[k][1]):
+                k += 1
+            lo = spans[k][0]
+            out[at : at + z - a] = np.frombuffer(fetched[spans[k]][a - lo : z - lo], dtype=np.uint8)
+            at += z - a
+        return torch.from_numpy(out).view(DTYPES[box.dtype]).view(tuple(item.lengths))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        by_box: dict[str, list[ReadItem]] = defaultdict(list)
-        for item in plan.items:
-            by_box[self.box(item).path].append(item)
-        for items in by_box.values():
-            box = self.box(items[0])
-            whole = self.mapped(box)
-            for item in items:
+        for box, items in self._by_box(plan.items):
+            if self.local:
+                if self.verify:
+                    self._verified_bytes(box, items, fetch=False)
+                whole = self.mapped(box)
+                self.bytes_read += sum(z - a for i in items for a, z in box.runs(i.storage_offsets, i.lengths))
+                regions = [box_view(whole, tuple(i.storage_offsets), tuple(i.lengths)) for i in items]
+            else:
+                if self.verify:
+                    fetched = self._verified_bytes(box, items, fetch=True)
+                else:
+                    merged = _merge([r for i in items for r in box.runs(i.storage_offsets, i.lengths)])
+                    fetched = {r: memoryview(b) for r, b in zip(merged, self._cat(box, merged))}
+                regions = [self._region(box, i, fetched) for i in items]
+            for item, region in zip(items, regions):
                 target = planner.resolve_tensor(item)
-                target.copy_(self.region(box, item, whole))
+                target.copy_(region)
                 planner.commit_tensor(item, target)
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, z in sorted(set(ranges)):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], z)
+        else:
+            out.append([a, z])
+    return [(a, z) for a, z in out]
 
 
 class StagedLoadPlanner(LoadPlanner):
@@ -371,9 +543,12 @@ def staged_transfers(plan: TransferPlan, rank: int) -> list[Transfer]:
     return [t for t in plan.transfers if t.src_rank == STAGED and t.dst_rank == rank]
 
 
-def check_staged(path: str | None, transfers: Sequence[Transfer], *, checksums: bool = False) -> StagedReader | None:
+def check_staged(
+    path: str | None, transfers: Sequence[Transfer], *, checksums: bool = False, version: int | None = None
+) -> StagedReader | None:
     """Raise (CoverageError / TransferError) unless ``path`` holds every box these
-    transfers read, whole (and with matching crc32 when ``checksums``); reads no target."""
+    transfers read, whole, at ``version`` (default: the newest staged), and with ``checksums``
+    every block they read matching its CRC32C; writes no target. Returns the reader."""
     if not transfers:
         return None
     if path is None:
@@ -382,7 +557,7 @@ def check_staged(path: str | None, transfers: Sequence[Transfer], *, checksums: 
             f"{len(transfers)} region(s) of tensors {names[:5]}{'...' if len(names) > 5 else ''} have no live "
             "source and must come from a staged checkpoint, but no staged_path was given"
         )
-    reader = StagedReader(path)
+    reader = StagedReader(path, version=version)
     reader.check([t.item for t in transfers], checksums=checksums)
     return reader
 
@@ -397,21 +572,30 @@ def load_staged(
     transfers: Sequence[Transfer] | None = None,
     verified: bool = False,
     reader: StagedReader | None = None,
+    version: int | None = None,
 ) -> int:
     """Fill ``rank``'s staged transfers (default: ``src_rank == STAGED``) from ``path``
     through DCP; missing target buffers are allocated into ``dst_buffers``. Returns the
-    bytes loaded. ``verified``: the boxes were already checked (:func:`check_staged`).
-    ``reader``: a :class:`StagedReader` of ``path`` to reuse (it caches the metadata)."""
+    bytes loaded. ``checksums``: verify every block read, on the bytes read (one pass).
+    ``verified``: the boxes were already checked whole (:func:`check_staged`): only their
+    sizes are not re-checked. ``reader``: a :class:`StagedReader` of ``path`` to reuse (it
+    caches the metadata; its own ``verify`` then applies)."""
     transfers = staged_transfers(plan, rank) if transfers is None else list(transfers)
     if not transfers:
         return 0
-    reader = reader if reader is not None else StagedReader(path)
+    reader = reader if reader is not None else StagedReader(path, verify=checksums and not verified, version=version)
     if not verified:
-        reader.check([t.item for t in transfers], checksums=checksums)
+        reader.check([t.item for t in transfers])
     specs = plan.dst_buffers[rank]
     for name in sorted({t.dst_buffer for t in transfers} - set(dst_buffers)):
         dst_buffers[name] = torch.empty(specs[name].shape, dtype=DTYPES[specs[name].dtype])
-    planner = StagedLoadPlanner(transfers, dst_buffers)
+    run_load(reader, StagedLoadPlanner(transfers, dst_buffers))
+    # bytes read: the source's dtype, which a cast (plan_transfers(cast=True)) may not share with the target
+    return sum(math.prod(t.item.lengths) * itemsize(plan.src_layouts[t.tensor].dtype) for t in transfers)
+
+
+def run_load(reader: StagedReader, planner: StagedLoadPlanner) -> None:
+    """``dcp.load`` with these pieces and no collective; a failure surfaces as itself."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -421,5 +605,3 @@ def load_staged(
             if cause is None:
                 raise
             raise cause from e
-    # bytes read: the source's dtype, which a cast (plan_transfers(cast=True)) may not share with the target
-    return sum(math.prod(t.item.lengths) * itemsize(plan.src_layouts[t.tensor].dtype) for t in transfers)

@@ -20,14 +20,15 @@ def tiny_spec(**overrides) -> DecoderSpec:
 
 
 @st.composite
-def grid_layouts(draw, name: str = "t", world: int = 4, dtype: str = "float32", shape=None) -> TensorLayout:
-    """A random tensor cut into a grid of boxes, each box on 1..3 random ranks.
+def grid_layouts(draw, name: str = "t", world: int = 4, dtype: str = "float32", shape=None, min_size: int = 1) -> TensorLayout:
+    """A random tensor cut into a grid of boxes, each box on 1..3 random ranks
+    (``min_size=0``: dimensions may be empty).
 
     A rank may hold several boxes of the tensor: each box then is a buffer of its own,
     named after the box, unless it is the rank's only box (a plain buffer).
     """
     if shape is None:
-        shape = tuple(draw(st.integers(1, 7)) for _ in range(draw(st.integers(0, 3))))
+        shape = tuple(draw(st.integers(min_size, 7)) for _ in range(draw(st.integers(0, 3))))
     cuts = []
     for size in shape:
         inner = draw(st.lists(st.integers(1, size - 1), max_size=2, unique=True)) if size > 1 else []

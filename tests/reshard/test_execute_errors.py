@@ -33,13 +33,6 @@ def _on(ranks, stage, **kw):
     return derive_emus(tiny_spec(), ParallelConfig(tp=len(ranks), ranks=tuple(ranks)), model="actor", stage=stage, **kw)
 
 
-class _NoRounds:
-    """A graph under which this rank has nothing to do (to play a peer that never sends)."""
-
-    def ops_for(self, rank):
-        return []
-
-
 def _attempt(out: dict, key: str, rank: int, plan, src, fn) -> None:
     try:
         fn()
@@ -50,7 +43,7 @@ def _attempt(out: dict, key: str, rank: int, plan, src, fn) -> None:
 
 
 def _scenarios(rank: int, world: int, root: str) -> dict:
-    from nereus.reshard import stream
+    from nereus.reshard import staged as staged_mod, stream
     from nereus.reshard.execute import execute, plan_or_stage, reshard
 
     out: dict = {}
@@ -80,7 +73,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
     save_staged(f"{root}/full", plan.src_layouts, src, rank=rank, checksums=True)
     dist.barrier()
     if rank == 0:
-        victim = f"{root}/full/{box_file(DOWN, (0, 32))}"
+        victim = f"{root}/full/{box_file(DOWN, (0, 32), 0)}"
         data = bytearray(open(victim, "rb").read())
         data[100] ^= 0x10
         open(victim, "wb").write(bytes(data))
@@ -93,6 +86,24 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
     _attempt(out, "stream checksum", rank, plan, src, lambda: execute(plan, graph_for(plan), src, rank=rank, checksums=True))
     stream.crc32 = real_crc
 
+    # ranks that planned differently (rank 1 schedules one message a round): an error, not a hang
+    other = graph_for(plan, max_messages=1) if rank == 1 else graph_for(plan)
+    _attempt(out, "planned differently", rank, plan, src, lambda: execute(plan, other, src, rank=rank))
+
+    # a damaged metadata.json on one rank's view, and an exception of any class on another
+    save_staged(f"{root}/meta", plan.src_layouts, src, rank=rank, live={rank}, checksums=True)
+    dist.barrier()
+    if rank == 0:
+        with open(f"{root}/meta/metadata.json", "r+b") as f:
+            f.truncate(40)
+    dist.barrier()
+    _attempt(out, "truncated metadata", rank, plan, src, lambda: run(f"{root}/meta"))
+    real_check = staged_mod.StagedReader.check
+    if rank == 0:  # the rank that reads staged regions here (the target is tp=1 on rank 0)
+        staged_mod.StagedReader.check = lambda self, items, **kw: {}["no such key"]
+    _attempt(out, "any exception", rank, plan, src, lambda: run(f"{root}/full"))
+    staged_mod.StagedReader.check = real_check
+
     swap = plan_transfers(_on([0, 1], "s"), _on([1, 0], "t"))  # every byte changes rank
     mine = reference_state(swap.src_layouts.values(), rank)
     budget = sum(t.nbytes for t in mine.values())  # the sources fit, sources + any target do not
@@ -103,11 +114,13 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
     res = reshard(swap, mine, rank=rank, budget=4 * budget, staged_path=f"{root}/unused")
     out["no budget"] = mismatches(res, swap.layouts.values(), rank), res.stats.rounds, res.stats.bytes_staged
 
-    if rank == 1:  # a peer that passes validation and then never sends
-        _attempt(out, "silent peer", rank, plan, src, lambda: execute(plan, _NoRounds(), src, rank=rank))
+    if rank == 1:  # a peer that agrees, then never sends
+        stream.run_round = lambda ctx, ops: None
+    start = time.monotonic()
+    _attempt(out, "silent peer", rank, plan, src, lambda: execute(plan, graph_for(plan), src, rank=rank, timeout=1.5))
+    out["silent peer/seconds"] = time.monotonic() - start
+    if rank == 1:
         time.sleep(5)
-    else:
-        _attempt(out, "silent peer", rank, plan, src, lambda: execute(plan, graph_for(plan), src, rank=rank, timeout=1.5))
     return out
 
 
@@ -158,7 +171,7 @@ def test_missing_staged_box_file(results):
 
 @pytest.mark.timeout(130)
 def test_corrupted_staged_box_with_checksums(results):
-    _same_error_everywhere(results, "corrupt box", "TransferError", box_file(DOWN, (0, 32)), "corrupted")
+    _same_error_everywhere(results, "corrupt box", "TransferError", box_file(DOWN, (0, 32), 0), "corrupted")
 
 
 @pytest.mark.timeout(130)
@@ -178,9 +191,27 @@ def test_memory_budget_no_stream_schedule_meets_goes_staged(results):
 
 
 @pytest.mark.timeout(130)
+def test_ranks_that_planned_differently_all_raise(results):
+    _same_error_everywhere(results, "planned differently", "ProcessGroupError", "planned different transitions",
+                           "rank 0:", "rank 1:")
+
+
+@pytest.mark.timeout(130)
+def test_a_truncated_staged_metadata_file_fails_every_rank_naming_it(results):
+    _same_error_everywhere(results, "truncated metadata", "CoverageError", "rank 0:", "meta/metadata.json",
+                           "not valid JSON")
+
+
+@pytest.mark.timeout(130)
+def test_an_exception_of_any_class_on_one_rank_reaches_the_agreement(results):
+    _same_error_everywhere(results, "any exception", "ReshardError", "rank 0: KeyError", "no such key")
+
+
+@pytest.mark.timeout(130)
 def test_a_peer_that_never_sends_times_out_naming_it(results):
     assert results[1]["silent peer"] == ("ok", "")
     cls, msg = results[0]["silent peer"]
-    assert cls == "TransferError", msg
-    assert "from rank 1" in msg and "model." in msg, msg
+    assert cls == "TransitionTimeout", msg
+    assert "from rank 1" in msg and "model." in msg and "destroy it and create a new one" in msg, msg
+    assert 1.5 <= results[0]["silent peer/seconds"] < 4.0  # one deadline for the whole call
     assert results[0]["silent peer/source"] == []

@@ -11,7 +11,7 @@ import pytest
 from nereus.reshard.derive import derive_emus
 from nereus.reshard.layout import ParallelConfig
 from nereus.reshard.plan import plan_transfers
-from nereus.reshard.stream import _contiguous, plan_messages
+from nereus.reshard.messages import _contiguous, plan_messages
 
 from .strategies import tiny_spec
 

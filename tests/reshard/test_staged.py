@@ -17,7 +17,7 @@ from nereus.reshard.errors import CoverageError, LayoutError, TransferError
 from nereus.reshard.layout import Shard, TensorLayout
 from nereus.reshard.plan import STAGED, merge_layouts, plan_transfers
 from nereus.reshard.reference import mismatches, reference_box, reference_state
-from nereus.reshard.staged import StagedLoadPlanner, StagedReader, box_file, load_staged, save_staged
+from nereus.reshard.staged import StagedLoadPlanner, StagedReader, box_file, check_staged, load_staged, save_staged
 from tests.distributed_harness import run_distributed
 
 from .strategies import emu_of
@@ -28,9 +28,10 @@ def _plan(src_cfg, dst_cfg, **kw):
     return plan_transfers(derived(src_cfg, stage="s", optimizer=True), derived(dst_cfg, stage="t", **kw), live=set(), staged=True)
 
 
-def _stage_all(path, plan, ranks, *, checksums=True, live=None):
+def _stage_all(path, plan, ranks, *, checksums=True, live=None, version=0):
     for r in ranks:
-        save_staged(path, plan.src_layouts, reference_state(plan.src_layouts.values(), r), rank=r, live=live, checksums=checksums)
+        save_staged(path, plan.src_layouts, reference_state(plan.src_layouts.values(), r), rank=r, live=live,
+                    checksums=checksums, version=version)
 
 
 def _load_all(path, plan, ranks, **kw) -> list[str]:
@@ -68,33 +69,43 @@ def test_box_files_are_keyed_by_name_and_offsets_never_by_rank(shm, tmp_path):
     for name in files:
         with open(f"{shm}/{name}", "rb") as a, open(f"{other}/{name}", "rb") as b:
             assert a.read() == b.read(), name
-    assert box_file("optim/exp_avg/model.norm.weight", (0,)) in files
-    assert box_file("model.embed_tokens.weight", (32, 0)) in files  # vocab rows 32.. of 64
-    assert box_file("optim/step/model.norm.weight", ()) == "optim%2Fstep%2Fmodel.norm.weight@scalar.bin"
+    assert box_file("optim/exp_avg/model.norm.weight", (0,), 0) in files
+    assert box_file("model.embed_tokens.weight", (32, 0), 0) + ".crc32c" in files  # vocab rows 32.. of 64
+    assert box_file("optim/step/model.norm.weight", (), 0) == "optim%2Fstep%2Fmodel.norm.weight@scalar@v0.bin"
     assert not any("rank" in f or f.endswith(".tmp") or ".tmp-" in f for f in files)
 
 
-def test_later_saves_keep_earlier_tensors_and_refuse_other_boxes(shm):
+def test_versions_never_mix_old_and_fresh_boxes(shm):
+    """Rank 1 stages version 0 and leaves; rank 0 stages version 1: rank 1's boxes are
+    still named, at version 0, and a version-1 read of them is refused, naming the box."""
     full = _plan(dict(tp=2), dict(tp=1), optimizer=True)
     _stage_all(shm, full, [1], live={1})  # rank 1 stages its shards (with optimizer state), then leaves
-    params = _plan(dict(tp=2), dict(tp=1))  # later: rank 0 stages what a rollout layout needs
-    _stage_all(shm, params, [0], live={0})
-    names = StagedReader(shm).read_metadata().state_dict_metadata
-    assert "optim/exp_avg/model.embed_tokens.weight" in names and "model.embed_tokens.weight" in names
-    theirs = [t for t in full.transfers if t.tensor.startswith("optim/") and any(t.item.storage_index.offset)]
+    _stage_all(shm, full, [0], live={0})  # same version: rank 0's boxes join them
+    assert _load_all(shm, full, [0], checksums=True) == []  # one version, whole
+    for r in (0,):  # later, version 1: only rank 0 is alive to stage
+        save_staged(shm, full.src_layouts, reference_state(full.src_layouts.values(), r, seed=1), rank=r, live={0},
+                    checksums=True, version=1)
+    files = os.listdir(shm)
+    assert {f.rsplit("@v", 1)[1] for f in files if f.endswith(".bin")} == {"0.bin", "1.bin"}
+    stale = [t for t in full.transfers if any(t.item.storage_index.offset)]  # rank 1's half: still version 0
+    fresh = [t for t in full.transfers if not any(t.item.storage_index.offset)]
+    with pytest.raises(CoverageError, match=r"missing at version 1: it was staged at version\(s\) \[0\] only"):
+        load_staged(shm, full, 0, {}, transfers=stale)
     out: dict = {}
-    load_staged(shm, full, 0, out, transfers=theirs)  # rank 1's optimizer shards, still readable
-    for t in theirs:
-        offsets = tuple(a + b for a, b in zip(t.item.dest_index.offset, t.item.dest_offsets))
+    load_staged(shm, full, 0, out, transfers=fresh, checksums=True)
+    for t in fresh:
         layout = full.layouts[t.tensor]
-        assert torch.equal(t.dst_view(out), reference_box(t.tensor, layout.shape, layout.dtype, offsets, t.lengths))
-    other = _plan(dict(tp=4), dict(tp=1))  # the same tensors cut differently: another version
-    with pytest.raises(LayoutError, match="already holds tensor .* with other boxes"):
-        _stage_all(shm, other, [0], live={0})
+        assert torch.equal(t.dst_view(out), reference_box(t.tensor, layout.shape, layout.dtype, t.item.dest_index.offset, t.lengths, 1))
+    load_staged(shm, full, 0, {}, transfers=stale, version=0)  # asked for explicitly, the old version reads
+    assert not any(f.endswith("@v0.bin") and f.startswith("model.embed_tokens.weight@0_0") for f in os.listdir(shm))
+    other = _plan(dict(tp=4), dict(tp=1))  # the same tensors cut differently: the old boxes are dropped
+    _stage_all(shm, other, range(4), version=2)
+    assert _load_all(shm, other, [0], checksums=True) == []
 
 
 def test_loads_go_through_dcp_and_read_only_the_needed_bytes(monkeypatch):
-    """A column slice of a staged box: one ranged read of the covering span per item."""
+    """A column slice of a staged box on an object store: ranged reads of its own runs
+    (no covering span); with checksums, the checksum blocks it touches, each read once."""
     whole = TensorLayout(name="w", shape=(64, 256), dtype="float32", shards=(Shard(rank=0, offsets=(0, 0), lengths=(64, 256)),))
     middle = [Shard(rank=r, offsets=(16, 64 * r), lengths=(16, 64)) for r in range(4)]  # rows 16..32, column blocks
     rest = [Shard(rank=0, offsets=(0, 0), lengths=(16, 256)), Shard(rank=1, offsets=(32, 0), lengths=(32, 256))]
@@ -117,8 +128,12 @@ def test_loads_go_through_dcp_and_read_only_the_needed_bytes(monkeypatch):
     assert _load_all(path, plan, [3]) == []
     (items,) = seen
     assert sorted(map(repr, items)) == sorted(repr(t.item) for t in plan.transfers if t.dst_rank == 3)
-    # rank 3 holds rows 16..32, columns 192..256: span from (16, 192) to (31, 255) inclusive
-    assert reads == [((16 * 256 + 192) * 4, (31 * 256 + 255 + 1) * 4)]
+    # rank 3 holds rows 16..32, columns 192..256: 16 runs of 64 floats, 768 bytes apart
+    assert reads == [((row * 256 + 192) * 4, (row * 256 + 256) * 4) for row in range(16, 32)]
+    assert sum(b - a for a, b in reads) == 16 * 64 * 4
+    reads.clear()
+    assert _load_all(path, plan, [3], checksums=True) == []
+    assert reads == [(0, 64 * 256 * 4)]  # one 4 MiB block covers the 64 KiB box: read once, verified on those bytes
 
 
 def _one_box_per_rank(layout: TensorLayout) -> TensorLayout:
@@ -147,12 +162,22 @@ def test_staged_errors_name_the_tensor_and_file(shm):
     with pytest.raises(CoverageError, match="no metadata.json"):
         load_staged(shm, plan, 0, {})
     _stage_all(shm, plan, range(2))
-    victim = f"{shm}/{box_file('model.layers.1.mlp.down_proj.weight', (0, 32))}"
+    victim = f"{shm}/{box_file('model.layers.1.mlp.down_proj.weight', (0, 32), 0)}"
     data = open(victim, "rb").read()
-    with open(victim, "wb") as f:  # one flipped bit
-        f.write(bytes([data[0] ^ 1]) + data[1:])
-    with pytest.raises(TransferError, match=r"down_proj.*corrupted"):
-        load_staged(shm, plan, 0, {}, checksums=True)
+    # damage a weighted sum cannot see: the sign bits of two float32 words of one block
+    two_signs = bytearray(data)
+    two_signs[3] ^= 0x80
+    two_signs[7] ^= 0x80
+    swapped = bytearray(data)
+    swapped[0:4], swapped[4:8] = data[4:8], data[0:4]
+    for damaged in (bytes(two_signs), bytes(swapped), bytes(len(data))):
+        assert damaged != data
+        with open(victim, "wb") as f:
+            f.write(damaged)
+        with pytest.raises(TransferError, match=r"down_proj.*crc32c .* corrupted"):
+            load_staged(shm, plan, 0, {}, checksums=True)
+        with pytest.raises(TransferError, match=r"down_proj.*corrupted"):
+            check_staged(shm, [t for t in plan.transfers if t.dst_rank == 0], checksums=True)
     with open(victim, "wb") as f:
         f.write(data[:-4])
     with pytest.raises(CoverageError, match=rf"{victim}.*truncated"):
@@ -160,46 +185,86 @@ def test_staged_errors_name_the_tensor_and_file(shm):
     os.remove(victim)
     with pytest.raises(CoverageError, match=rf"{victim}.*missing"):
         load_staged(shm, plan, 0, {})
+    with open(victim, "wb") as f:
+        f.write(data)
+    os.remove(victim + ".crc32c")
+    with pytest.raises(CoverageError, match=r"no \.crc32c sidecar"):
+        load_staged(shm, plan, 0, {}, checksums=True)
+    meta = f"{shm}/metadata.json"
+    raw = open(meta, "rb").read()
+    with open(meta, "wb") as f:  # valid JSON, one digit changed: caught by its own checksum
+        f.write(raw.replace(b'"shape": [64, 32]', b'"shape": [64, 33]', 1))
+    with pytest.raises(CoverageError, match=r"metadata.json.*fails its own crc32c"):
+        load_staged(shm, plan, 0, {})
+    with open(meta, "wb") as f:
+        f.write(raw[: len(raw) // 2])
+    with pytest.raises(CoverageError, match=r"metadata.json.*not valid JSON.*truncated"):
+        load_staged(shm, plan, 0, {})
 
 
 # ------------------------------------------------------------- a source rank leaves
 
 
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def _gone_rank(rank: int, world: int, root: str) -> dict:
-    """Rank 3 stages its shards, then leaves; the transition completes without it."""
+    """Rank 3 stages its shards and exits; the transitions complete without it."""
+    import os
+    import time
+
     from nereus.reshard.execute import execute
+
+    from .fake_nccl import fake_nccl
 
     sources = derived(dict(tp=4), stage="s", optimizer=True)
     layouts = merge_layouts(sources, "source")
     src = reference_state(layouts.values(), rank)
-    if rank == 3:  # before it goes: its boxes, whoever else holds them
-        save_staged(root, layouts, src, rank=3, live={3}, checksums=True)
-    dist.barrier()
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank in (2, 3):  # before they drop their state: their boxes, whoever else holds them
+        save_staged(root, layouts, src, rank=rank, live={rank}, checksums=True)
     live = [0, 1, 2]
-    group = dist.new_group(live)
-    out: dict = {}
+    group = dist.new_group(live)  # collective over the world: rank 3 takes part, after staging
+    if rank == 3:
+        return {"pid": os.getpid()}  # the harness then destroys its group and the process exits
+    deadline = time.monotonic() + 30
+    while not _exited(pids[3]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out: dict = {"rank 3 exited": _exited(pids[3])}
     # A: rank 3 is gone for good; the new layout (tp=2 on ranks 0, 1) excludes it.
     plan = plan_transfers(sources, derived(dict(tp=2), stage="t", optimizer=True), live=set(live), staged=True)
-    if rank in live:
-        res = execute(plan, graph_for(plan), src, rank=rank, group=group, staged_path=root, checksums=True)
-        out["A"] = exact(plan, rank, res, src), res.stats.bytes_staged
-    dist.barrier()
-    # B: a fresh process replaced rank 3 and is a target again (tp=2 x dp=2 on ranks 0..3).
-    plan = plan_transfers(sources, derived(dict(tp=2, dp=2), stage="t", optimizer=True), live=set(live), staged=True)
-    fresh = rank == 3  # holds no source state at all
-    res = execute(plan, graph_for(plan), {} if fresh else src, rank=rank, staged_path=root, checksums=True)
-    bad = mismatches(res, plan.layouts.values(), rank) if fresh else exact(plan, rank, res, src)
-    out["B"] = bad, res.stats.bytes_staged, res.stats.bytes_received
+    res = execute(plan, graph_for(plan), src, rank=rank, group=group, staged_path=root, checksums=True)
+    out["A"] = exact(plan, rank, res, src), res.stats.bytes_staged
+    # B: rank 2 dropped its state and is a fresh target holding no buffer at all (dp=3 on
+    # ranks 0..2), streamed from 0 and 1 and read from the staged checkpoint; under gloo and
+    # under NCCL's semantics (a fresh rank must post what its peers post).
+    plan = plan_transfers(sources, derived(dict(dp=3), stage="t", optimizer=True), live={0, 1}, staged=True)
+    fresh = rank == 2
+    for name, transport in (("B gloo", None), ("B nccl", fake_nccl())):
+        res = execute(plan, graph_for(plan), {} if fresh else src, rank=rank, group=group, staged_path=root,
+                      checksums=True, transport=transport)
+        bad = mismatches(res, plan.layouts.values(), rank) if fresh else exact(plan, rank, res, src)
+        out[name] = bad, res.stats.bytes_staged, res.stats.bytes_received, len(res.stats.samples)
     return out
 
 
 @pytest.mark.timeout(120)
 def test_transition_completes_when_a_source_rank_is_gone(shm):
     results = run_distributed(_gone_rank, 4, shm, timeout=100)
-    for rank, out in enumerate(results):
-        assert out["B"][0] == [], (rank, out["B"])
-        if rank < 3:
-            assert out["A"][0] == [], (rank, out["A"])
+    assert results[3] == {"pid": results[3]["pid"]}
+    for rank, out in enumerate(results[:3]):
+        assert out["rank 3 exited"], rank
+        assert out["A"][0] == [], (rank, out["A"])
+        for name in ("B gloo", "B nccl"):
+            assert out[name][0] == [], (rank, name, out[name])
     assert results[1]["A"][1] > 0  # tp=2 rank 1 needs TP4 shard 3: only in the staged checkpoint
-    assert results[3]["B"][1] > 0 and results[3]["B"][2] > 0  # the new rank 3 mixes staged and streamed
-    assert "A" not in results[3]
+    for name in ("B gloo", "B nccl"):  # the fresh rank 2 mixes staged and streamed bytes
+        assert results[2][name][1] > 0 and results[2][name][2] > 0, name
+    assert results[2]["B nccl"][3] <= results[2]["B gloo"][3]  # NCCL: one sample per peer and round
