@@ -10,7 +10,8 @@ def convert(
     dst: str = typer.Argument(..., help="Destination: a directory or fsspec URL (HF output: local directory)."),
     to: str = typer.Option("hf", "--to", help="'hf', or a layout like 'tp=2,pp=2' (dp, tp, pp; degrees not named are 1)."),
     dtype: str = typer.Option(None, "--dtype", help="Cast floating tensors to bf16, fp16 or fp32."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a checkpoint already at DST."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a checkpoint (or an HF export) already at DST."),
+    model: str = typer.Option(None, "--model", help="The model to convert from a checkpoint of several (e.g. actor, critic)."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Convert SRC to DST without a process group, tensor by tensor (memory ~2x the largest tensor)."""
@@ -25,7 +26,7 @@ def convert(
     task = bar.add_task(f"{src} -> {dst}", total=None)
     try:
         with bar:
-            summary = run(src, dst, to=to, dtype=dtype, overwrite=overwrite,
+            summary = run(src, dst, to=to, dtype=dtype, overwrite=overwrite, model=model,
                           on_total=lambda n: bar.update(task, total=n), progress=lambda n: bar.advance(task, n))
     except (StoreError, ReshardError, OSError) as e:
         typer.echo(f"nereus convert: error: {e}", err=True)

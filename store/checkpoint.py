@@ -6,22 +6,31 @@ A checkpoint root (a local directory, ``memory://...``, ``gs://...``, ``s3://...
     <root>/data/<step, 12 digits>-<token>/         one staged checkpoint per save (box files)
 
 Save (:func:`save_checkpoint`, every rank): each rank writes the boxes it is the lowest
-holder of, in parallel, through ``dcp.save`` (``dcp_io``); the coordinator then writes the
-manifest — step, EMUs, every file with its bytes and block checksums, job state, RNG states — with a
-create-only compare-and-swap. The checkpoint exists from that instant: a save killed
-earlier leaves a data directory that no manifest names, which is never listed or loaded;
-two writers committing the same step are told (:class:`ConflictError`) and the loser
+holder of, in parallel, through ``dcp.save`` (``dcp_io``); the coordinator then writes
+``metadata.json`` and the caller's side files (HF configs, tokenizer files) and commits the
+manifest — step, EMUs, every file (box files, ``metadata.json``, side files) with its bytes
+and CRC32C block checksums, job state, RNG states — with a create-only compare-and-swap.
+The checkpoint exists from that instant: a save killed earlier leaves a data directory
+that no manifest names, which is never listed or loaded, and which the next save (or
+:meth:`CheckpointStore.clean_orphans`, which the trainer runs when it resumes) removes once
+it is older than ``ORPHAN_AGE_S`` (as Orbax removes unfinished temporary checkpoints).
+Two writers committing the same step are told (:class:`ConflictError`) and the loser
 removes its data. Tensors are keyed ``<model>/<name>`` so several models share a root.
 
 Load (:func:`load_checkpoint`, each rank on its own, no collective): the transfer plan
 from the saved EMUs to the target EMUs (``plan_transfers(..., live=set(), staged=True)``)
-lists exactly the regions this rank needs; their files are checked (present, whole, checksums
-as committed) before any byte moves, then ``reshard.staged.load_staged`` reads only those
-regions into the rank's buffers.
+lists exactly the regions this rank needs; their files are checked (present, whole) before
+any byte moves, then ``reshard.staged`` reads only the checksum blocks covering those
+regions, verifies each block's CRC32C against the manifest on the very bytes it read, and
+copies the regions from them: one read per byte, on object stores too. A block that fails
+is an error naming the file (the buffers then hold a partial load: do not use them).
 
 Async save (:class:`AsyncCheckpointer`): state is copied to host memory on the caller's
-thread, then written and committed by a background thread over a dedicated gloo group,
-so training continues; at most one save is in flight. Retention keeps the last K.
+thread — into host buffers kept from the previous save when the layouts match (pinned
+when CUDA is up: pinned allocation is slow, so it happens once) — then written and
+committed by a background thread over a dedicated gloo group, so training continues; at
+most one save is in flight, so the buffers are never overwritten while a save reads them.
+Retention keeps the last K.
 """
 
 from __future__ import annotations
@@ -41,16 +50,23 @@ from fsspec.implementations.local import LocalFileSystem
 
 from nereus.reshard.layout import DTYPES, EMU, Shard, TensorLayout, shard_view
 from nereus.reshard.plan import merge_layouts, plan_transfers
-from nereus.reshard.staged import load_staged, staged_transfers
+from nereus.reshard.staged import StagedBox, StagedReader, load_staged, record_from_boxes, staged_transfers
 
+from .checksum import CHECKSUM, blocks_of, checksums_of, region_span
 from .dcp_io import BoxSavePlanner, BoxWriter, BoxWritten, dcp_save, plan_owned_boxes
+from nereus.reshard.errors import TransferError
+
 from .errors import CheckpointExistsError, ConflictError, CorruptCheckpointError, StoreError
 from .kv import ABSENT, MetaStore, join_url, split_url
-from .checksum import block_checksums, blocks_of, region_span
+from .records import CHECKPOINT_PREFIX, AuxFile, FileEntry, Manifest, checkpoint_key, manifest_from_dict, manifest_to_dict
 from .safetensors_io import map_file
-from .records import CHECKPOINT_PREFIX, FileEntry, Manifest, checkpoint_key, manifest_from_dict, manifest_to_dict
 
 DATA = "data"
+HEAD = "head"
+"""Key of the record an exclusive commit (``nereus convert``) writes: its compare-and-swap
+makes two conversions into one root conflict even when their steps differ."""
+ORPHAN_AGE_S = 3600.0
+"""A data directory no manifest names is removed by the next save once it is this old."""
 Buffers = Mapping[str, Mapping[str, torch.Tensor]]
 """Local buffers by model, then by buffer name (as ``layout.local_buffers`` names them)."""
 
@@ -149,7 +165,57 @@ class CheckpointStore:
         return join_url(self.root, data_dir)
 
     def new_data_dir(self, step: int) -> str:
-        return f"{DATA}/{step:012d}-{uuid.uuid4().hex[:12]}"
+        """``data/<step, 12 digits>-<creation time, ms>-<token>``: the time lets a later save
+        tell an abandoned directory from one a concurrent writer is still filling."""
+        return f"{DATA}/{step:012d}-{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:8]}"
+
+    def clean_orphans(self, older_than: float = ORPHAN_AGE_S) -> list[str]:
+        """Remove data directories that no committed manifest names and that were created
+        more than ``older_than`` seconds ago (a killed save's); returns what was removed.
+        ``older_than=0`` when no other writer can be active (a job resuming its own root)."""
+        base = f"{self.path.rstrip('/')}/{DATA}"
+        try:
+            present = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False)]
+        except FileNotFoundError:
+            return []
+        named = {str(e.value.get("data", "")).rsplit("/", 1)[-1] for e in self.meta.items(CHECKPOINT_PREFIX)}
+        now, removed = time.time(), []
+        for name in sorted(set(present) - named):
+            created = _created(name, self.fs, f"{base}/{name}")
+            if created is not None and now - created >= older_than:
+                self.remove_data(f"{DATA}/{name}")
+                removed.append(f"{DATA}/{name}")
+        return removed
+
+    def snapshot(self) -> dict[str, bytes]:
+        """The generation of every checkpoint key and of ``head`` now (an exclusive commit's
+        expectations: whatever changes before it makes it fail)."""
+        out = {e.key: e.generation for e in self.meta.items(CHECKPOINT_PREFIX)}
+        out[HEAD] = self.meta.generation(HEAD)
+        return out
+
+    def commit_exclusive(self, manifest: Manifest, snapshot: Mapping[str, bytes]) -> None:
+        """Make ``manifest`` the root's only checkpoint, in one transaction conditioned on
+        ``snapshot``: if any checkpoint or another exclusive commit landed since, nothing is
+        written and :class:`ConflictError` says so. Data of retired checkpoints is removed."""
+        writes: dict = {manifest.key: manifest_to_dict(manifest), HEAD: {"schema": 1, "kind": "head", "step": manifest.step,
+                                                                       "data": manifest.data}}
+        expect = {HEAD: snapshot.get(HEAD, ABSENT), manifest.key: snapshot.get(manifest.key, ABSENT)}
+        retired = []
+        for key, generation in snapshot.items():
+            if key not in (HEAD, manifest.key):
+                writes[key], expect[key] = None, generation
+        for e in self.meta.items(CHECKPOINT_PREFIX):
+            if e.key in snapshot:
+                retired.append(e.value.get("data"))
+        try:
+            self.meta.commit(writes, expect=expect)
+        except ConflictError:
+            raise ConflictError(f"{self.root}: another writer committed a checkpoint here while this one was written; "
+                                "nothing of this conversion was committed") from None
+        for data_dir in retired:
+            if data_dir and data_dir != manifest.data:
+                self.remove_data(data_dir)
 
     def remove_data(self, data_dir: str) -> None:
         path = f"{self.path.rstrip('/')}/{data_dir}"
@@ -212,12 +278,13 @@ class CheckpointStore:
             if size != e.nbytes:
                 raise CorruptCheckpointError(f"{_where(manifest, e, path)} has {size} bytes, the manifest says {e.nbytes}: truncated")
 
-    def verify(self, manifest: Manifest, blocks: Mapping[FileEntry, Iterable[int]] | None = None) -> None:
+    def verify(self, manifest: Manifest, blocks: Mapping[FileEntry | AuxFile, Iterable[int]] | None = None) -> None:
         """Raise :class:`CorruptCheckpointError` naming the first file missing, truncated or
         with a block whose checksum differs from the manifest's. ``blocks``: the blocks to
-        check per file (default: every block of every file); only those bytes are read."""
+        check per file (default: every block of every file, side files and
+        ``metadata.json`` included); only those bytes are read."""
         if blocks is None:
-            blocks = {e: range(len(e.checksums)) for e in manifest.files}
+            blocks = {e: range(len(e.checksums)) for e in (*manifest.files, *manifest.aux)}
         self.check_files(manifest, blocks)
         base = f"{self.path.rstrip('/')}/{manifest.data}"
         size = manifest.checksum_block
@@ -227,7 +294,7 @@ class CheckpointStore:
             for i in sorted(set(indices)):
                 start, end = i * size, min((i + 1) * size, e.nbytes)
                 data = map_file(path, start, end - start).numpy() if local else self.fs.cat_file(path, start=start, end=end)
-                (got,) = block_checksums(data, size)
+                (got,) = checksums_of(manifest.checksum, data, size)
                 if got != e.checksums[i]:
                     raise CorruptCheckpointError(
                         f"{_where(manifest, e, path)} has {manifest.checksum} {got} in bytes [{start}, {end}), the manifest says "
@@ -235,8 +302,36 @@ class CheckpointStore:
                     )
 
 
-def _where(manifest: Manifest, e: FileEntry, path: str) -> str:
+def _where(manifest: Manifest, e: FileEntry | AuxFile, path: str) -> str:
+    if isinstance(e, AuxFile):
+        return f"checkpoint step {manifest.step}: file {path}"
     return f"checkpoint step {manifest.step}: data file {path} (tensor {e.tensor!r}, box at {list(e.offsets)})"
+
+
+def _created(name: str, fs, path: str) -> float | None:
+    """When a data directory was created: from its name, else the filesystem (None: unknown)."""
+    parts = name.split("-")
+    if len(parts) == 3 and parts[1].isdigit():
+        return int(parts[1]) / 1000
+    try:
+        return fs.modified(path).timestamp()
+    except (NotImplementedError, FileNotFoundError, AttributeError, OSError):
+        return None
+
+
+def reader_for(store: CheckpointStore, manifest: Manifest) -> StagedReader:
+    """A staged reader of a checkpoint's data built from its manifest (no ``metadata.json``
+    read): every box with its path and its CRC32C block checksums, verified on read."""
+    base = store.data_url(manifest.data)
+    _, root = fsspec.core.url_to_fs(base)
+    shapes = {}
+    for e in manifest.emus:
+        for t in qualify(e).tensors:
+            shapes[t.name] = (t.shape, t.dtype)
+    crc = manifest.checksum == CHECKSUM
+    boxes = [StagedBox(tensor=f.tensor, offsets=f.offsets, lengths=f.lengths, dtype=f.dtype, path=f"{root}/{f.path}",
+                       checksums=f.checksums if crc else None, block=manifest.checksum_block) for f in manifest.files]
+    return StagedReader(base, record=record_from_boxes(boxes, shapes), verify=crc)
 
 
 def needed_blocks(manifest: Manifest, transfers: Sequence) -> dict[FileEntry, set[int]]:
@@ -255,7 +350,8 @@ def needed_blocks(manifest: Manifest, transfers: Sequence) -> dict[FileEntry, se
     return out
 
 
-def build_manifest(step: int, data_dir: str, emus: Sequence[EMU], layouts: Mapping[str, TensorLayout], results, *, state=None, plan=None, rng=()) -> Manifest:
+def build_manifest(step: int, data_dir: str, emus: Sequence[EMU], layouts: Mapping[str, TensorLayout], results, *, state=None, plan=None, rng=(),
+                   aux: Sequence[AuxFile] = ()) -> Manifest:
     """The manifest of a finished save from every rank's write results (pure)."""
     files = []
     for rank_results in results:
@@ -268,7 +364,7 @@ def build_manifest(step: int, data_dir: str, emus: Sequence[EMU], layouts: Mappi
                                    path=info.path, nbytes=r.size_in_bytes, checksums=tuple(info.checksums)))
     files.sort(key=lambda f: (f.tensor, f.offsets))
     return Manifest(step=step, data=data_dir, files=tuple(files), emus=tuple(emus), created=time.time(),
-                    plan=plan, state=dict(state or {}), rng=tuple(rng))
+                    plan=plan, state=dict(state or {}), rng=tuple(rng), aux=tuple(aux))
 
 
 def save_checkpoint(
@@ -285,13 +381,18 @@ def save_checkpoint(
     overwrite: bool = False,
     sync: bool = True,
     rng: dict | None = None,
+    files: Mapping[str, bytes] | None = None,
+    orphan_age: float = ORPHAN_AGE_S,
 ) -> Manifest:
     """Save every EMU's tensors from every rank (call on all ranks of ``group``).
 
     ``buffers``: this rank's local buffers by model. ``state``: JSON-able job state (data
     position, controller, ...; the coordinator's is kept). ``keep``: retention. ``rank``:
-    this process's global rank (default: the process group's). Returns the committed
-    manifest on every rank.
+    this process's global rank (default: the process group's). ``files``: side files the
+    coordinator writes into the data directory (relative path -> bytes, e.g.
+    ``hf/actor/tokenizer.json``), covered by the manifest's checksums. ``orphan_age``:
+    unfinished saves older than this are removed first (:meth:`CheckpointStore.clean_orphans`).
+    Returns the committed manifest on every rank.
     """
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -313,13 +414,14 @@ def save_checkpoint(
 
     def prepare() -> str:
         store.check_absent(step, overwrite=overwrite)
+        store.clean_orphans(orphan_age)
         return store.new_data_dir(step)
 
     committed: list[Manifest] = []
 
-    def commit(data_dir, metadata, results):
+    def commit(data_dir, metadata, results, aux):
         manifest = build_manifest(step, data_dir, emus, layouts, results, state=state, plan=dict(plan) if plan else None,
-                                  rng=metadata.planner_data or ())
+                                  rng=metadata.planner_data or (), aux=aux)
         try:
             store.commit(manifest, overwrite=overwrite)
         except Exception:
@@ -330,7 +432,7 @@ def save_checkpoint(
             store.retain(keep)
 
     planner = BoxSavePlanner(layouts, plan_owned_boxes(layouts, rank), resolve, rng if rng is not None else rng_state())
-    writer = BoxWriter(store.root, layouts, prepare, commit, sync=sync)
+    writer = BoxWriter(store.root, layouts, prepare, commit, sync=sync, extras=files)
     no_dist = group is None and not (dist.is_available() and dist.is_initialized())
     dcp_save(planner, writer, group=group, no_dist=no_dist)
     return committed[0] if committed else store.manifest(step)
@@ -347,8 +449,11 @@ def load_checkpoint(
 ) -> tuple[Manifest, dict[str, dict[str, torch.Tensor]]]:
     """Load ``rank``'s buffers of the ``targets`` layouts from a committed checkpoint.
 
-    Reads only the regions this rank needs. ``buffers`` (by model) are filled in place;
-    missing ones are allocated. No collective: ranks may load at different times.
+    Reads only the checksum blocks covering the regions this rank needs, once, verifying
+    each on the bytes read (``verify``). ``buffers`` (by model) are filled in place;
+    missing ones are allocated. No collective: ranks may load at different times. A
+    damaged file raises CorruptCheckpointError naming it; the buffers then hold a partial
+    load and must not be used.
     """
     store = CheckpointStore(root)
     manifest = store.manifest(step)
@@ -357,12 +462,16 @@ def load_checkpoint(
     plan = plan_transfers(src, dst, live=set(), staged=True, ranks={rank})
     transfers = staged_transfers(plan, rank)
     blocks = needed_blocks(manifest, transfers)
-    if verify:
+    store.check_files(manifest, blocks)  # present and whole: sizes only, no byte read
+    reader = reader_for(store, manifest)
+    if verify and manifest.checksum != CHECKSUM:  # a legacy (wsum64) checkpoint: its own pass first
         store.verify(manifest, blocks)
-    else:
-        store.check_files(manifest, blocks)
+    reader.verify = verify and manifest.checksum == CHECKSUM  # CRC32C: checked on the bytes the load reads
     flat = flatten(buffers or {})
-    load_staged(store.data_url(manifest.data), plan, rank, flat, transfers=transfers, verified=True)
+    try:
+        load_staged(store.data_url(manifest.data), plan, rank, flat, transfers=transfers, verified=True, reader=reader)
+    except TransferError as e:
+        raise CorruptCheckpointError(f"checkpoint step {manifest.step}: {e}") from None
     out = unflatten(flat)
     if buffers is not None:
         for model, bufs in out.items():
@@ -370,8 +479,13 @@ def load_checkpoint(
     return manifest, out
 
 
-def stage_to_host(emus: Sequence[EMU], buffers: Buffers, rank: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Host copies of the buffers holding boxes this rank writes (pinned when CUDA is up)."""
+def stage_to_host(emus: Sequence[EMU], buffers: Buffers, rank: int,
+                  reuse: MutableMapping[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Host copies of the buffers holding boxes this rank writes (pinned when CUDA is up).
+
+    ``reuse``: host buffers of an earlier call, by ``<model>/<name>``; one of the same shape
+    and dtype is written into instead of allocating (the dict is updated with new ones and
+    loses those no longer needed)."""
     layouts = checkpoint_layouts(emus)
     owned = {(n, o) for n, o, _ in plan_owned_boxes(layouts, rank)}
     needed: set[str] = set()
@@ -381,12 +495,18 @@ def stage_to_host(emus: Sequence[EMU], buffers: Buffers, rank: int) -> dict[str,
                 needed.add(s.buffer or name)
     pin = torch.cuda.is_available()
     out: dict[str, dict[str, torch.Tensor]] = {}
+    kept = reuse if reuse is not None else {}
     for key, t in flatten(buffers).items():
         if key in needed:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host = kept.get(key)
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             host.copy_(t.detach())
+            kept[key] = host
             model, _, name = key.partition("/")
             out.setdefault(model, {})[name] = host
+    for key in [k for k in kept if k not in needed]:
+        del kept[key]
     return out
 
 
@@ -406,13 +526,15 @@ class AsyncCheckpointer:
         self.group = group
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nereus-ckpt")
         self._pending: Future | None = None
+        self.host: dict[str, torch.Tensor] = {}
+        """Host buffers kept across saves (``<model>/<name>``); refilled once the previous save is done."""
 
     def save(self, step: int, emus: Sequence[EMU], buffers: Buffers, *, rank: int | None = None,
              state: Mapping | None = None, plan: Mapping | None = None) -> Future:
         self.wait()
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        host = stage_to_host(emus, buffers, rank)
+        host = stage_to_host(emus, buffers, rank, reuse=self.host)  # after wait(): no save reads them now
         rng = rng_state()
         self._pending = self._pool.submit(
             save_checkpoint, self.root, step, emus, host, rank=rank, group=self.group, state=state, plan=plan,

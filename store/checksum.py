@@ -1,32 +1,30 @@
-"""Block checksums of box files (pure).
+"""Block checksums of checkpoint files: CRC32C, and the legacy ``wsum64`` (pure).
 
-Every data file's bytes are cut into blocks of ``block`` bytes (the manifest's
-``checksum_block``, 4 MiB by default; the last block may be shorter) and the manifest
-keeps one checksum per block. A rank that needs only part of a box verifies only the
-blocks that cover its region's byte span, so integrity checks read no more than the rank
-needs, rounded out to whole blocks.
+Checkpoints are written with CRC32C per 4 MiB block (``nereus.reshard.checksum``: the one
+scheme of checkpoints, staged data and streamed messages); the manifest keeps one checksum
+per block of every file. A rank that needs only part of a box verifies only the blocks
+that cover its region's byte span, on the bytes it reads.
 
-The checksum, ``wsum64``: zero-pad the block's ``n`` bytes to a multiple of 8, read them
-as little-endian uint64 words ``x_i``, and with fixed odd weights ``W[j]`` (j < 512) and
-``V[r]`` (from splitmix64, see :func:`splitmix64`)::
+``wsum64`` — a weighted sum of little-endian uint64 words — is what manifests written
+before CRC32C name. It is still verified when such a checkpoint is read (its data must not
+become unreadable), never written: it is linear, so two sign-bit flips in one block can
+cancel, which a CRC cannot. Its definition: zero-pad the block's ``n`` bytes to a
+multiple of 8, read them as little-endian uint64 words ``x_i``, and with fixed odd
+weights ``W[j]`` (j < 512) and ``V[r]`` (from splitmix64)::
 
     wsum64 = sum_i x_i * W[i mod 512] * V[i div 512]  +  n * 0x9E3779B97F4A7C15   (mod 2**64)
-
-It is a 64-bit weighted sum, not a cryptographic hash: any change of one word changes it
-(the weights are odd, so invertible mod 2**64), reordered words or blocks change it with
-probability ~1 - 2**-64, and it runs at numpy's uint64 matrix-vector speed — about twice
-zlib's crc32 here, which matters because every byte written or read is checksummed once.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
 
-CHECKSUM = "wsum64"
-BLOCK = 4 << 20
+from nereus.reshard.checksum import BLOCK, CHECKSUM, block_checksums, blocks_of, crc32c, region_span  # noqa: F401
+
+LEGACY = "wsum64"
+KNOWN = (CHECKSUM, LEGACY)
 ROW = 512
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -74,7 +72,7 @@ def wsum64(data) -> int:
     return (total + n * _GOLDEN) & _MASK
 
 
-def block_checksums(data, block: int = BLOCK) -> tuple[str, ...]:
+def wsum64_blocks(data, block: int = BLOCK) -> tuple[str, ...]:
     """The ``wsum64`` of every ``block``-byte block of ``data`` (any buffer), 16 hex digits each."""
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
     n = max(1, math.ceil(raw.size / block))
@@ -93,23 +91,6 @@ def wsum64_reference(data: bytes) -> int:
     return (total + len(data) * _GOLDEN) & _MASK
 
 
-def region_span(box_lengths: Sequence[int], itemsize: int, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:
-    """Byte range [start, end) of a box file that holds the region.
-
-    Row-major: with strides ``S[d] = prod(L[d+1:])`` the region at offsets ``o`` of lengths
-    ``n`` lies in bytes ``[s * sum(o[d] S[d]), s * (sum((o[d] + n[d] - 1) S[d]) + 1))``
-    (not every byte of the span belongs to the region).
-    """
-    if not box_lengths:
-        return 0, itemsize
-    if not math.prod(lengths):
-        return 0, 0
-    strides = [math.prod(box_lengths[d + 1 :]) for d in range(len(box_lengths))]
-    first = sum(o * s for o, s in zip(offsets, strides))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
-    return first * itemsize, (last + 1) * itemsize
-
-
-def blocks_of(start: int, end: int, block: int = BLOCK) -> range:
-    """Indices of the blocks that cover bytes [start, end)."""
-    return range(start // block, (end - 1) // block + 1) if end > start else range(0)
+def checksums_of(name: str, data, block: int = BLOCK) -> tuple[str, ...]:
+    """The block checksums of ``data`` under the scheme ``name`` (``crc32c`` or ``wsum64``)."""
+    return block_checksums(data, block) if name == CHECKSUM else wsum64_blocks(data, block)

@@ -8,16 +8,24 @@ dtype): about twice the largest tensor, whatever the model size.
   (``derive_emus``, which rejects a tp that does not divide the heads or a pp above the
   layer count before any byte moves); the checkpoint is written through the same DCP
   writer as a training save (``dcp_io``), every box by this one process, and committed
-  with its manifest last. ``config.json`` travels in the manifest (``state.hf_configs``).
+  with its manifest last. ``config.json`` travels in the manifest (``state.hf_configs``),
+  the HF side files (``hf.SIDE_FILES``: generation config, tokenizer) in the data
+  directory as ``hf/<model>/<name>``, checksummed by the manifest.
 - Nereus -> Nereus: each tensor is read whole from the source through the staged reader
-  (``plan_transfers(saved EMUs -> one rank holding whole tensors, staged=True)`` +
-  ``load_staged``), its files checked first (size, block checksums: one read of the page
-  cache); optimizer state (in its saved dtype), job state and RNG states are carried over.
+  (``plan_transfers(saved EMUs -> one rank holding whole tensors, staged=True)``), every
+  checksum block verified on the bytes read; optimizer state (in its saved dtype), job
+  state, RNG states and side files are carried over. A checkpoint of several models (what
+  ``nereus train`` saves: actor and critic) converts one of them, ``model=``.
 - Nereus / HF -> HF (``--to hf``): tensors in ``plan_parameters`` order, streamed into
-  ``model.safetensors`` or shards + index, in a temporary directory renamed at the end.
+  ``model.safetensors`` or shards + index, in a temporary directory renamed at the end;
+  ``config.json`` states one dtype (``torch_dtype`` and ``dtype`` alike: the weights'),
+  side files are written beside it.
 
 On any error the destination keeps what it had: no manifest is committed (the new data
-directory is removed) and no HF directory is renamed into place.
+directory is removed, and a root this conversion created is removed whole) and no HF
+directory is renamed into place. The destination check and the commit are one
+compare-and-swap (``CheckpointStore.commit_exclusive``): of two conversions into one
+destination, one commits and the other fails, removing its data.
 """
 
 from __future__ import annotations
@@ -41,11 +49,13 @@ from nereus.reshard.layout import DTYPES, EMU, ParallelConfig, Shard, TensorLayo
 from nereus.reshard.plan import plan_transfers
 from nereus.reshard.staged import StagedLoadPlanner, StagedReader
 
-from .checkpoint import CheckpointStore, build_manifest, checkpoint_layouts, normalize_root, qualify
+from nereus.reshard.errors import TransferError
+
+from .checkpoint import CheckpointStore, build_manifest, checkpoint_layouts, normalize_root, qualify, reader_for
+from .checksum import CHECKSUM, checksums_of
 from .dcp_io import BoxSavePlanner, BoxWriter, Scratch, all_boxes, dcp_save, unwrap
-from .errors import CheckpointExistsError, ModelMismatchError, StoreError
-from .hf import HFCheckpoint, HFWriter, check_against_spec, is_hf_dir, spec_from_hf_config
-from .checksum import block_checksums
+from .errors import CheckpointExistsError, CorruptCheckpointError, ModelMismatchError, StoreError
+from .hf import HFCheckpoint, HFWriter, check_against_spec, is_hf_dir, side_files, spec_from_hf_config
 from .records import Manifest
 from .safetensors_io import Interleaved, map_file
 
@@ -127,6 +137,10 @@ class HFSource:
         self.spec = replace(self.spec, dtype=embed.dtype)  # the weights' dtype, whatever config.json says
         self.config = self.ckpt.config
         self.step, self.state, self.rng, self.optimizer = 0, {}, (), False
+        self.model = MODEL
+
+    def side_files(self) -> dict[str, bytes]:
+        return side_files(self.ckpt.path)
 
     def names(self) -> list[str]:
         return [name for name, *_ in plan_parameters(self.spec)]
@@ -147,15 +161,18 @@ class NereusSource:
 
     kind = "nereus"
 
-    def __init__(self, root: str, step: int | None = None) -> None:
+    def __init__(self, root: str, step: int | None = None, model: str | None = None) -> None:
         self.store = CheckpointStore(root)
         self.manifest: Manifest = self.store.manifest(step)
         models = sorted({e.model for e in self.manifest.emus})
-        if len(models) != 1:
-            raise StoreError(f"{root}: checkpoint step {self.manifest.step} holds models {models}; conversion handles one")
-        self.model = models[0]
-        src = [qualify(e) for e in self.manifest.emus]
-        layouts = checkpoint_layouts(self.manifest.emus)
+        if model is None and len(models) != 1:
+            raise StoreError(f"{root}: checkpoint step {self.manifest.step} holds models {models}; choose one with --model")
+        if model is not None and model not in models:
+            raise StoreError(f"{root}: checkpoint step {self.manifest.step} has no model {model!r} (it holds {models})")
+        self.model = model or models[0]
+        emus = [e for e in self.manifest.emus if e.model == self.model]
+        src = [qualify(e) for e in emus]
+        layouts = checkpoint_layouts(emus)
         self.names_all = [n.partition("/")[2] for n in layouts]
         self.config = dict((self.manifest.state.get("hf_configs") or {}).get(self.model) or {})
         embed = layouts.get(f"{self.model}/model.embed_tokens.weight")
@@ -175,7 +192,16 @@ class NereusSource:
             self.by_tensor.setdefault(t.tensor, []).append(t)
         self.files = {(f.tensor, f.offsets): f for f in self.manifest.files}
         self.data_url = self.store.data_url(self.manifest.data)
-        self._reader = StagedReader(self.data_url)
+        self._reader = reader_for(self.store, self.manifest)
+        self._legacy = self.manifest.checksum != CHECKSUM
+
+    def side_files(self) -> dict[str, bytes]:
+        """The model's HF side files kept in the checkpoint (``hf/<model>/<name>``), verified."""
+        prefix = f"hf/{self.model}/"
+        entries = [a for a in self.manifest.aux if a.path.startswith(prefix)]
+        self.store.verify(self.manifest, {a: range(len(a.checksums)) for a in entries})
+        base = f"{self.store.path.rstrip('/')}/{self.manifest.data}"
+        return {a.path[len(prefix):]: self.store.fs.cat_file(f"{base}/{a.path}") for a in entries}
 
     def names(self) -> list[str]:
         return self.names_all
@@ -189,7 +215,10 @@ class NereusSource:
         tensor) after every file it comes from was checked: present, whole, block checksums
         as committed."""
         key = f"{self.model}/{name}"
-        self.store.verify(self.manifest, {e: range(len(e.checksums)) for e in self._entries(name)})
+        entries = self._entries(name)
+        self.store.check_files(self.manifest, entries)
+        if self._legacy:  # wsum64: verified in its own pass; CRC32C: on the bytes the load reads
+            self.store.verify(self.manifest, {e: range(len(e.checksums)) for e in entries})
         layout = self.plan.layouts[key]
         shape, dtype = torch.Size(layout.shape), DTYPES[layout.dtype]
         target = torch.empty(shape, dtype=dtype) if scratch is None else scratch.take(shape, dtype)
@@ -231,7 +260,7 @@ class NereusSource:
         for e in entries:
             path = self._reader.boxes[MetadataIndex(key, torch.Size(e.offsets))].path
             raw = map_file(path, 0, e.nbytes)
-            if block_checksums(raw.numpy(), self.manifest.checksum_block) != e.checksums:
+            if checksums_of(self.manifest.checksum, raw.numpy(), self.manifest.checksum_block) != e.checksums:
                 self.store.verify(self.manifest, {e: range(len(e.checksums))})  # names the bad block
             parts.append(raw)
         rows = math.prod(shape[:k])
@@ -247,7 +276,10 @@ class NereusSource:
             try:
                 dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
             except CheckpointException as e:
-                raise unwrap(e) from None
+                cause = unwrap(e)
+                if isinstance(cause, TransferError):  # a block that fails its CRC32C
+                    raise CorruptCheckpointError(f"checkpoint step {self.step}: {cause}") from None
+                raise cause from None
 
     def _entries(self, name: str) -> list:
         key = f"{self.model}/{name}"
@@ -257,15 +289,17 @@ class NereusSource:
             raise StoreError(f"checkpoint step {self.step}: no file for tensor {missing[0][0]!r} box at {list(missing[0][1])}")
         return [self.files[k] for k in needed]
 
-def open_source(path: str):
+def open_source(path: str, model: str | None = None):
     if os.path.isdir(path) and is_hf_dir(path):
+        if model not in (None, MODEL):
+            raise StoreError(f"{path} is a HuggingFace model directory: it holds one model, --model does not apply")
         return HFSource(path)
     root = normalize_root(path)
     if "://" not in root and not os.path.isdir(os.path.join(root, "meta")):
         if not os.path.exists(root):
             raise StoreError(f"{path} does not exist")
         raise StoreError(f"{path} is neither a HuggingFace model directory (model.safetensors[.index.json]) nor a Nereus checkpoint (meta/)")
-    return NereusSource(root)
+    return NereusSource(root, model=model)
 
 
 # ------------------------------------------------------------------------------ writing
@@ -328,9 +362,9 @@ def convert_to_hf(source, dst: str, *, dtype: str | None, overwrite: bool, progr
     entries = [(name, dtype or dtype_name(source.shape(name)[1]), tuple(shape)) for name, shape, _, _ in plan_parameters(spec)]
     if on_total:
         on_total(sum(math.prod(s) * DTYPES[d].itemsize for _, d, s in entries))
-    config = dict(source.config or spec.to_hf_config())
-    config["torch_dtype"] = spec.dtype
-    writer = HFWriter(dst, entries, config, overwrite=overwrite, max_shard_bytes=max_shard_bytes, sync=sync)
+    config = one_dtype(dict(source.config or spec.to_hf_config()), spec.dtype)
+    writer = HFWriter(dst, entries, config, overwrite=overwrite, max_shard_bytes=max_shard_bytes, sync=sync,
+                      side_files=source.side_files())
     total = 0
     reader = Prefetcher(source, [e[0] for e in entries], {e[0]: e[1] for e in entries}, runs=True)
     try:
@@ -351,9 +385,17 @@ def convert_to_hf(source, dst: str, *, dtype: str | None, overwrite: bool, progr
     return len(entries), total
 
 
-def target_emus(spec: DecoderSpec, target: Target, *, optimizer: bool) -> list[EMU]:
+def one_dtype(config: dict, dtype: str) -> dict:
+    """``config`` stating ``dtype`` once: ``torch_dtype`` and ``dtype`` (transformers' newer
+    key, which wins where both are present) alike, so ``from_pretrained(dtype="auto")``
+    loads the weights in the dtype they were written in."""
+    config["torch_dtype"] = config["dtype"] = dtype
+    return config
+
+
+def target_emus(spec: DecoderSpec, target: Target, *, optimizer: bool, model: str = MODEL) -> list[EMU]:
     try:
-        return derive_emus(spec, ParallelConfig.on(dp=target.dp, tp=target.tp, pp=target.pp), model=MODEL, stage=STAGE, optimizer=optimizer)
+        return derive_emus(spec, ParallelConfig.on(dp=target.dp, tp=target.tp, pp=target.pp), model=model, stage=STAGE, optimizer=optimizer)
     except ValueError as e:
         raise ModelMismatchError(f"layout dp={target.dp},tp={target.tp},pp={target.pp} does not fit the model: {e}") from None
 
@@ -370,7 +412,8 @@ def convert_to_nereus(source, dst: str, target: Target, *, dtype: str | None, ov
     """Write the source as a Nereus checkpoint in ``target``'s layout; returns (tensors, bytes)."""
     spec = replace(source.spec, dtype=dtype) if dtype else source.spec
     names = set(source.names())
-    for emu in target_emus(spec, target, optimizer=source.optimizer):
+    model = source.model
+    for emu in target_emus(spec, target, optimizer=source.optimizer, model=model):
         for t in emu.tensors:
             if t.name not in names:
                 raise ModelMismatchError(f"tensor {t.name!r} of the target layout is not in the source")
@@ -378,21 +421,29 @@ def convert_to_nereus(source, dst: str, target: Target, *, dtype: str | None, ov
     def dtype_of(name: str) -> str:  # --dtype casts parameters; everything else keeps its saved dtype
         return dtype if dtype and not name.startswith("optim/") else dtype_name(source.shape(name)[1])
 
-    emus = [retype(e, dtype_of) for e in target_emus(spec, target, optimizer=source.optimizer)]
+    emus = [retype(e, dtype_of) for e in target_emus(spec, target, optimizer=source.optimizer, model=model)]
     layouts = checkpoint_layouts(emus)
     if os.path.isdir(dst) and is_hf_dir(dst) and not overwrite:
         raise CheckpointExistsError(f"{dst} holds a HuggingFace model; pass --overwrite to write a checkpoint there")
-    store = CheckpointStore(dst)
-    if store.steps() and not overwrite:
-        raise CheckpointExistsError(f"{dst} already holds checkpoints at steps {store.steps()}; pass --overwrite to replace them")
-    if on_total:
-        on_total(layouts_nbytes(layouts))
-    config = dict(source.config)
-    config["torch_dtype"] = spec.dtype
-    state = {**source.state, "hf_configs": {MODEL: config}}
-    boxes = all_boxes(layouts)
-    order = list(dict.fromkeys(name.partition("/")[2] for name, _, _ in boxes))
-    reader = Prefetcher(source, order, {n.partition("/")[2]: t.dtype for n, t in layouts.items()})
+    created = _absent(dst)
+    try:
+        store = CheckpointStore(dst)
+        snapshot = store.snapshot()  # the destination as checked: the commit expects exactly this
+        steps = store.steps()
+        if steps and not overwrite:
+            raise CheckpointExistsError(f"{dst} already holds checkpoints at steps {steps}; pass --overwrite to replace them")
+        if on_total:
+            on_total(layouts_nbytes(layouts))
+        config = one_dtype(dict(source.config), spec.dtype)
+        state = {**source.state, "hf_configs": {model: config}}
+        extras = {f"hf/{model}/{name}": data for name, data in source.side_files().items()}
+        boxes = all_boxes(layouts)
+        order = list(dict.fromkeys(name.partition("/")[2] for name, _, _ in boxes))
+        reader = Prefetcher(source, order, {n.partition("/")[2]: t.dtype for n, t in layouts.items()})
+    except BaseException:
+        if created:
+            _remove_root(dst)
+        raise
     current: dict[str, torch.Tensor] = {}
 
     def resolve(name: str, offsets, lengths) -> torch.Tensor:
@@ -408,23 +459,54 @@ def convert_to_nereus(source, dst: str, target: Target, *, dtype: str | None, ov
         data_dirs.append(store.new_data_dir(source.step))
         return data_dirs[-1]
 
-    def commit(data_dir, metadata, results):
-        manifest = build_manifest(source.step, data_dir, emus, layouts, results, state=state, rng=source.rng)
-        store.commit(manifest, overwrite=True, only=True)
+    def commit(data_dir, metadata, results, aux):
+        manifest = build_manifest(source.step, data_dir, emus, layouts, results, state=state, rng=source.rng, aux=aux)
+        store.commit_exclusive(manifest, snapshot)
         committed.append(True)
 
     planner = BoxSavePlanner(layouts, boxes, resolve, None)
-    writer = BoxWriter(store.root, layouts, prepare, commit, sync=sync, progress=progress)
+    writer = BoxWriter(store.root, layouts, prepare, commit, sync=sync, progress=progress, extras=extras)
     try:
         dcp_save(planner, writer, no_dist=True)
     except BaseException:
         if not committed:
             for d in data_dirs:
                 store.remove_data(d)
+            _remove_if_empty(store, "data")
+            if created and not store.steps() and not os.path.exists(os.path.join(normalize_root(dst), "data")):
+                _remove_root(dst)  # nothing of anyone's is there: leave no trace of this attempt
         raise
     finally:
         reader.close()
     return len(layouts), layouts_nbytes(layouts)
+
+
+def _absent(dst: str) -> bool:
+    """Whether a destination does not exist yet (a local path; URLs: no committed store)."""
+    if "://" not in dst or dst.startswith("file://"):
+        return not os.path.exists(normalize_root(dst))
+    return False
+
+
+def _remove_root(dst: str) -> None:
+    """Remove a destination this conversion created, once it holds nothing but an empty
+    metadata store (no checkpoint, no data: a concurrent writer's data would be in data/)."""
+    import shutil
+
+    root = normalize_root(dst)
+    if ("://" in dst and not dst.startswith("file://")) or not os.path.isdir(root):
+        return
+    if set(os.listdir(root)) <= {"meta"}:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _remove_if_empty(store: CheckpointStore, sub: str) -> None:
+    path = f"{store.path.rstrip('/')}/{sub}"
+    try:
+        if store.fs.exists(path) and not store.fs.ls(path, detail=False):
+            store.fs.rmdir(path)
+    except (OSError, NotImplementedError):
+        pass
 
 
 def layouts_nbytes(layouts: Mapping[str, TensorLayout]) -> int:
@@ -433,9 +515,11 @@ def layouts_nbytes(layouts: Mapping[str, TensorLayout]) -> int:
 
 def convert(src: str, dst: str, *, to: str, dtype: str | None = None, overwrite: bool = False,
             progress: Progress | None = None, on_total: Progress | None = None, sync: bool = True,
-            max_shard_bytes: int = 5_000_000_000) -> Summary:
+            max_shard_bytes: int = 5_000_000_000, model: str | None = None) -> Summary:
     """Convert ``src`` (HF directory or Nereus checkpoint, detected) to ``dst`` (see module doc).
 
+    ``model``: which model of a checkpoint that holds several (``nereus train``'s actor and
+    critic); needed then, refused for an HF source (it holds one).
     ``on_total(bytes)`` is called once the output size is known, ``progress(bytes)`` as
     pieces are written. ``sync``: fsync data before the commit (off only for benchmarks
     that compare against a copy that does not sync).
@@ -445,7 +529,7 @@ def convert(src: str, dst: str, *, to: str, dtype: str | None = None, overwrite:
     if "://" not in src + dst and os.path.abspath(src) == os.path.abspath(dst):
         raise StoreError(f"source and destination are the same path: {src}")
     start = time.perf_counter()
-    source = open_source(src)
+    source = open_source(src, model)
     kwargs = dict(dtype=out_dtype, overwrite=overwrite, progress=progress, sync=sync, on_total=on_total)
     if target.hf:
         tensors, nbytes = convert_to_hf(source, dst, max_shard_bytes=max_shard_bytes, **kwargs)

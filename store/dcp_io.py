@@ -15,10 +15,11 @@ The save goes through ``dcp.save`` with two narrow pieces, as DCP intends:
   ranks' ``planner_data`` (their RNG states) into the metadata.
 - :class:`BoxWriter` (a ``StorageWriter``): ``write_data`` writes each item's bytes to its
   box file (local files: temporary name, fsync, rename; object stores: one put, which is
-  atomic) and returns its size and block checksums; ``finish`` (coordinator only, after every rank
-  wrote) writes ``metadata.json`` and calls ``commit(metadata, results)`` — the checkpoint
-  store commits the manifest there, so DCP's own exception fan-out tells every rank
-  whether the commit happened.
+  atomic) and returns its size and block checksums (CRC32C); ``finish`` (coordinator only,
+  after every rank wrote) writes ``metadata.json`` (self-checksummed) and the caller's side
+  files (``extras``: HF configs, tokenizer files), and calls ``commit(data_dir, metadata,
+  results, aux)`` with their sizes and checksums — the checkpoint store commits the
+  manifest there, so DCP's own exception fan-out tells every rank whether it happened.
 
 DCP call order: set_up_planner / set_up_storage_writer, create_local_plan /
 prepare_local_plan (all ranks), create_global_plan / prepare_global_plan (coordinator),
@@ -28,7 +29,6 @@ finish_plan + write_data (all ranks), finish (coordinator).
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import warnings
@@ -54,10 +54,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future as TorchFuture
 
 from nereus.reshard.layout import DTYPES, Dims, TensorLayout
-from nereus.reshard.staged import METADATA, box_file, staged_metadata
+from nereus.reshard.staged import METADATA, box_file, seal, staged_metadata
 
 from .checksum import BLOCK, block_checksums
 from .errors import StoreError
+from .records import AuxFile
 
 Box = tuple[str, Dims, Dims]
 """(tensor name, global offsets, lengths)."""
@@ -235,9 +236,10 @@ class BoxWriter(StorageWriter):
     ``prepare()`` runs on the coordinator during global planning: it checks the
     destination and returns the data directory (relative to ``root_url``), which DCP then
     scatters to every rank inside the plans' ``storage_data`` — so all ranks agree on a
-    fresh directory without an extra collective. ``commit(data_dir, metadata, results)``
-    receives every rank's :class:`BoxWritten` results; if it raises, the save fails on
-    every rank (DCP broadcasts the coordinator's exception).
+    fresh directory without an extra collective. ``commit(data_dir, metadata, results,
+    aux)`` receives every rank's :class:`BoxWritten` results and the coordinator's
+    :class:`~.records.AuxFile` s; if it raises, the save fails on every rank (DCP
+    broadcasts the coordinator's exception).
     """
 
     def __init__(
@@ -245,11 +247,12 @@ class BoxWriter(StorageWriter):
         root_url: str,
         layouts: Mapping[str, TensorLayout],
         prepare: Callable[[], str],
-        commit: Callable[[str, Metadata, list[list[WriteResult]]], None],
+        commit: Callable[[str, Metadata, list[list[WriteResult]], tuple[AuxFile, ...]], None],
         *,
         sync: bool = True,
         progress: Callable[[int], None] | None = None,
         checksum_block: int = BLOCK,
+        extras: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__()
         self.root_url = root_url.rstrip("/")
@@ -262,6 +265,7 @@ class BoxWriter(StorageWriter):
         self.data_dir: str | None = None
         self.scratch = Scratch()
         self.checksum_block = checksum_block
+        self.extras = dict(extras or {})
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -312,11 +316,17 @@ class BoxWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         root = self._root(self.data_dir)
         self.fs.makedirs(root, exist_ok=True)
-        record = json.dumps(staged_metadata(self.layouts), sort_keys=True).encode()
-        write_file(self.fs, f"{root}/{METADATA}", np.frombuffer(record, dtype=np.uint8), sync=self.sync)
+        files = {METADATA: seal(staged_metadata(self.layouts)), **self.extras}
+        aux = []
+        for rel, data in files.items():
+            if "/" in rel:
+                self.fs.makedirs(f"{root}/{rel.rsplit('/', 1)[0]}", exist_ok=True)
+            write_file(self.fs, f"{root}/{rel}", np.frombuffer(data, dtype=np.uint8), sync=self.sync)
+            aux.append(AuxFile(path=rel, nbytes=len(data), checksums=block_checksums(data, self.checksum_block)))
         if self.sync:
-            fsync_dir(self.fs, root)
-        self.commit(self.data_dir, metadata, results)
+            for d in sorted({f"{root}/{rel.rsplit('/', 1)[0]}" for rel in files if "/" in rel} | {root}):
+                fsync_dir(self.fs, d)
+        self.commit(self.data_dir, metadata, results, tuple(aux))
 
 
 def dcp_save(planner: BoxSavePlanner, writer: BoxWriter, *, group: Any = None, no_dist: bool = False) -> Metadata:

@@ -33,6 +33,29 @@ from .safetensors_io import Interleaved, SafetensorsWriter, TensorInfo, map_file
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+"""Files of an HF model directory that conversion carries over unchanged (generation
+settings, tokenizer): read from an HF source, kept in Nereus checkpoints (``hf/<model>/``),
+written into an HF export."""
+
+
+def side_files(path: str) -> dict[str, bytes]:
+    """The :data:`SIDE_FILES` present in an HF directory (or any directory), by name."""
+    out = {}
+    for name in SIDE_FILES:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file, "rb") as f:
+                out[name] = f.read()
+    return out
+
+
+def exported_file(name: str) -> bool:
+    """Whether an HF export writes a file of this name (what ``--overwrite`` may replace)."""
+    return name in (CONFIG, INDEX, SINGLE, *SIDE_FILES) or (name.startswith("model-") and name.endswith(".safetensors"))
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports carry; recomputed by models
 
 
@@ -163,8 +186,11 @@ class HFWriter:
     """Writes a HF directory tensor by tensor: ``write(name, tensor)`` in declared order, then ``close()``.
 
     Everything goes into ``<dst>.tmp-<id>/``; ``close`` renames it to ``dst`` (moving an
-    existing ``dst`` aside first when ``overwrite``, then deleting it). ``abort`` removes
-    the temporary directory.
+    existing ``dst`` aside first when ``overwrite``, then deleting it). ``overwrite`` only
+    replaces a directory that holds nothing but what an HF export writes (``exported_file``):
+    anything else in it is refused before a byte is written. ``side_files`` (name ->
+    bytes: generation config, tokenizer) are written beside ``config.json``. ``abort``
+    removes the temporary directory.
     """
 
     def __init__(
@@ -176,10 +202,20 @@ class HFWriter:
         overwrite: bool = False,
         max_shard_bytes: int = 5_000_000_000,
         sync: bool = True,
+        side_files: Mapping[str, bytes] | None = None,
     ):
         dst = os.path.abspath(dst)
         if os.path.exists(dst) and (os.listdir(dst) if os.path.isdir(dst) else True) and not overwrite:
             raise CheckpointExistsError(f"{dst} already exists and is not empty; pass --overwrite to replace it")
+        if os.path.exists(dst):
+            if not os.path.isdir(dst):
+                raise CheckpointExistsError(f"{dst} is a file, not a directory; refusing to replace it")
+            foreign = sorted(n for n in os.listdir(dst) if not exported_file(n))
+            if foreign:
+                raise CheckpointExistsError(
+                    f"{dst} holds files an HF export does not write ({', '.join(foreign[:5])}"
+                    f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only an HF export: choose an empty directory"
+                )
         self.dst = dst
         self._overwrite = overwrite
         self._sync = sync
@@ -192,6 +228,11 @@ class HFWriter:
         self._total = sum(math.prod(s) * DTYPES[d].itemsize for _, d, s in entries)
         with open(os.path.join(self._tmp, CONFIG), "w") as f:
             json.dump(dict(config), f, indent=2, sort_keys=True)
+        for name, data in (side_files or {}).items():
+            if os.path.basename(name) != name or name not in SIDE_FILES:
+                raise StoreError(f"{dst}: side file {name!r} is not one an HF export carries ({', '.join(SIDE_FILES)})")
+            with open(os.path.join(self._tmp, name), "wb") as f:
+                f.write(data)
 
     def write(self, name: str, tensor: torch.Tensor | Interleaved) -> None:
         """Write the next tensor: a tensor, or its bytes as ``Interleaved`` runs (see SafetensorsWriter)."""

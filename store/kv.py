@@ -4,8 +4,13 @@ Every Nereus root (a local directory or any fsspec URL) keeps its metadata under
 ``<root>/meta/`` in an OCDBT database — on the ``file`` driver locally, on ``gcs``/``s3``
 for object stores, on the ``memory`` driver for ``memory://`` roots. OCDBT is used
 everywhere because multi-key atomic transactions work on it and not on the plain ``file``
-driver; its single-key conditional writes are compare-and-swaps on the database manifest,
-so they are safe between processes and hosts without a coordinator.
+driver; its conditional writes are compare-and-swaps on the database manifest, so they
+are only as safe as the base driver's own conditional write: between processes of one
+host on ``file`` (tested) and between hosts on ``gcs`` (generation preconditions). The
+``s3`` driver's documentation disclaims the atomicity tensorstore needs (DELETE is not
+atomic on AWS, PUT may not be on S3-compatible stores): on ``s3://`` roots, keep ONE
+writer per root (one job; no concurrent ``nereus convert`` into it) — the
+compare-and-swap there is not a guarantee across writers.
 
 Specs are built by a pure function (:func:`plan_kvstore_spec`, tested without opening
 anything); only :class:`MetaStore` does I/O.

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 from nereus.reshard.layout import EMU, emu_from_dict, emu_to_dict, itemsize
 
-from .checksum import BLOCK, CHECKSUM
+from .checksum import BLOCK, CHECKSUM, KNOWN
 from .errors import SchemaError
 
 SCHEMA_VERSION = 1
@@ -55,8 +55,8 @@ class FileEntry:
     """One data file: a distinct box of one tensor, raw row-major bytes.
 
     ``path`` is relative to the checkpoint's data directory; ``checksums`` holds the
-    checksum (``Manifest.checksum``, 16 hex digits) of each ``Manifest.checksum_block``-byte
-    block of the file (``store.checksum``).
+    checksum (``Manifest.checksum``: CRC32C, 8 hex digits) of each
+    ``Manifest.checksum_block``-byte block of the file (``store.checksum``).
     """
 
     tensor: str
@@ -74,6 +74,17 @@ class FileEntry:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AuxFile:
+    """A file of the data directory that is not a tensor box — its ``metadata.json``, an
+    HF side file (``hf/<model>/generation_config.json``, tokenizer files) — with its size
+    and block checksums, so a damaged one is an error naming it."""
+
+    path: str
+    nbytes: int
+    checksums: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Manifest:
     """A committed checkpoint: where every box of every tensor lies, and the job's state.
 
@@ -81,7 +92,7 @@ class Manifest:
     ``state``: JSON-able job state — data position, controller state, ... .
     ``rng``: per-rank RNG states of the saving job (``{"cpu": base64, "cuda": [base64]}``,
     by process-group rank); a job resumed on a different number of ranks reseeds
-    (see ``checkpoint.restore_rng``).
+    (see ``checkpoint.restore_rng``). ``aux``: the directory's other files (``AuxFile``).
     """
 
     step: int
@@ -95,6 +106,7 @@ class Manifest:
     rng: tuple[dict, ...] = ()
     checksum: str = CHECKSUM
     checksum_block: int = BLOCK
+    aux: tuple[AuxFile, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -123,12 +135,13 @@ def manifest_to_dict(m: Manifest) -> dict:
         "files": [
             [f.tensor, list(f.offsets), list(f.lengths), f.dtype, f.path, f.nbytes, list(f.checksums)] for f in m.files
         ],
+        "aux": [[a.path, a.nbytes, list(a.checksums)] for a in m.aux],
     }
 
 
 def _known_checksum(key: str, name: str) -> str:
-    if name != CHECKSUM:
-        raise SchemaError(f"checkpoint manifest {key!r} uses checksum {name!r}; this nereus reads {CHECKSUM!r}")
+    if name not in KNOWN:
+        raise SchemaError(f"checkpoint manifest {key!r} uses checksum {name!r}; this nereus reads {' or '.join(map(repr, KNOWN))}")
     return name
 
 
@@ -150,6 +163,7 @@ def manifest_from_dict(key: str, d: Mapping) -> Manifest:
                 FileEntry(tensor=t, offsets=tuple(o), lengths=tuple(n), dtype=dt, path=p, nbytes=b, checksums=tuple(c))
                 for t, o, n, dt, p, b, c in d["files"]
             ),
+            aux=tuple(AuxFile(path=p, nbytes=int(b), checksums=tuple(c)) for p, b, c in d.get("aux") or ()),
         )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, SchemaError):

@@ -82,9 +82,21 @@ class WeightSync:
         self.staging = StagingArena("cpu")
 
     def __call__(self) -> None:
+        """Stream the weights. A reshard past its deadline leaves the process group unusable
+        (ops may be pending: ``reshard.errors.TransitionTimeout``); that is raised as a
+        RuntimeError telling the job to restart its workers on a fresh group, never retried
+        on the broken one."""
+        from nereus.reshard.errors import TransitionTimeout
+
         rank, src, dst = dist.get_rank(), self.src.param_buffers(), self.dst.param_buffers()
         on_host = all(t.device.type == "cpu" for t in (*src.values(), *dst.values()))
-        execute(self.plan, self.graph, src, rank=rank, dst_buffers=dst, staging=self.staging if on_host else None)
+        try:
+            execute(self.plan, self.graph, src, rank=rank, dst_buffers=dst, staging=self.staging if on_host else None)
+        except TransitionTimeout as e:
+            raise RuntimeError(
+                f"weight sync {self.src.key} -> {self.dst.key} timed out: {e}. The process group cannot be reused: "
+                "restart the workers (torchrun restarts them; nereus train --resume continues from the last checkpoint)"
+            ) from e
 
 
 class Trainer:
@@ -291,9 +303,25 @@ class Trainer:
         """Commit the training stages' weights and AdamW state (every rank calls it)."""
         from nereus.store.checkpoint import save_checkpoint
 
+        from nereus.store.convert import one_dtype
+        from nereus.store.hf import HFCheckpoint, side_files
+
         emus = [e for s in self._trained() for e in s.emus]
         buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
-        save_checkpoint(self.checkpoint_root(), self.step, emus, buffers, rank=self.rank, state={"step": self.step}, keep=KEEP_CHECKPOINTS)
+        # each model's HF config (as trained: its head, its shapes; the rest of its source's
+        # config.json) and, on the coordinator, its source's side files: `nereus convert
+        # RUN_DIR/checkpoints OUT --to hf --model actor` exports what this saves
+        configs, files = {}, {}
+        for s in self._trained():
+            model, source = s.key.split(".")[0], self.cfg.stage_model(s.key)[1]
+            original = HFCheckpoint.open(source.path).config if source.path else {}
+            dtype = next(t.dtype for e in s.emus for t in e.tensors if not t.name.startswith("optim/"))
+            configs[model] = one_dtype({**original, **s.args.to_hf_config()}, dtype)  # the masters' dtype
+            if source.path and self.rank == 0:
+                files.update({f"hf/{model}/{name}": data for name, data in side_files(source.path).items()})
+        state = {"step": self.step, "hf_configs": configs}
+        save_checkpoint(self.checkpoint_root(), self.step, emus, buffers, rank=self.rank, state=state, files=files,
+                        keep=KEEP_CHECKPOINTS)
 
     def restore(self) -> int:
         """Load the latest committed checkpoint into this rank's layouts; returns its step."""
@@ -305,6 +333,8 @@ class Trainer:
         buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
         manifest, _ = load_checkpoint(self.checkpoint_root(), emus, self.rank, buffers)
         self.step = manifest.step
+        if self.rank == 0:  # this job owns the root and is not saving: unfinished saves of its last run go
+            CheckpointStore(self.checkpoint_root()).clean_orphans(older_than=0)
         return self.step
 
 

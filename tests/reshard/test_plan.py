@@ -133,3 +133,25 @@ def test_source_that_does_not_cover_a_target_box_is_rejected():
     src = EMU.trusted(model="m", stage="s", replica=0, config=ParallelConfig.on(), ranks=(0,), tensors=(partial,))
     with pytest.raises(CoverageError, match=r"'w': target box at offsets \(0,\) lengths \(4,\) is only 2 of 4"):
         plan_transfers([src], [emu_of([one("w", (4,))], 1)])
+
+
+def test_source_replicas_that_cut_a_tensor_differently_are_named():
+    """Two replicas of one source, one cut in halves by rows, the other by columns: the
+    error says the replicas disagree and names both boxes, not a coverage count."""
+    import pytest
+
+    from nereus.reshard.errors import LayoutError
+    from nereus.reshard.layout import EMU, ParallelConfig, Shard, TensorLayout
+
+    def emu(replica, shards, ranks):
+        layout = TensorLayout(name="w", shape=(4, 4), dtype="float32", shards=tuple(Shard(rank=r, offsets=o, lengths=n) for r, o, n in shards))
+        config = ParallelConfig(tp=2, ranks=ranks)
+        return EMU(model="m", stage="s", replica=replica, config=config, ranks=ranks, tensors=(layout,))
+
+    rows = emu(0, [(0, (0, 0), (2, 4)), (1, (2, 0), (2, 4))], (0, 1))
+    cols = emu(1, [(2, (0, 0), (4, 2)), (3, (0, 2), (4, 2))], (2, 3))
+    whole = TensorLayout(name="w", shape=(4, 4), dtype="float32", shards=(Shard(rank=0, offsets=(0, 0), lengths=(4, 4)),))
+    target = EMU(model="m", stage="t", replica=0, config=ParallelConfig(ranks=(0,)), ranks=(0,), tensors=(whole,))
+    with pytest.raises(LayoutError, match=r"source replicas disagree on tensor 'w': the box at offsets \[0, 0\] lengths \[2, 4\] "
+                                          r"\(ranks \[0\]\) and the box at offsets \[0, 0\] lengths \[4, 2\] \(ranks \[2\]\)"):
+        plan_transfers([rows, cols], [target])

@@ -103,24 +103,30 @@ def test_parse_target():
 # ------------------------------------------------------------------------------ bad input
 
 
-def no_checkpoint_at(path) -> bool:
-    """Nothing committed: no HF directory, and no manifest and no data in a Nereus root."""
+def no_checkpoint_at(path, existed: bool = False) -> bool:
+    """Nothing committed: a destination that did not exist still does not (no empty meta/
+    or data/ left behind); an existing one holds no HF directory and no manifest or data."""
     if not os.path.exists(path):
         return True
+    if not existed:
+        return False
     if os.path.exists(os.path.join(path, "config.json")):
         return False
     data = os.path.join(path, "data")
     return CheckpointStore(str(path)).steps() == [] and (not os.path.isdir(data) or os.listdir(data) == [])
 
 
-def fails(args, *needles, dst):
+def fails(args, *needles, dst, held=False):
+    """A one-line error naming ``needles``; nothing committed at ``dst`` (``held``: it held
+    something before, which the caller checks is unchanged)."""
+    existed = os.path.exists(dst)
     result = cli(*args, "--no-progress")
     assert result.exit_code != 0
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.output, result.output
     for needle in needles:
         assert needle in lines[0], lines[0]
-    assert no_checkpoint_at(dst)
+    assert held or no_checkpoint_at(dst, existed)
     return lines[0]
 
 
@@ -140,20 +146,24 @@ def test_truncated_hf_shard(tmp_path):
           "model-00002-of-00002.safetensors", "truncated", dst=tmp_path / "n")
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "two signs", "delete"])
 def test_damaged_nereus_shard(tmp_path, nereus_ckpt, damage):
     root, manifest = nereus_ckpt
-    entry = manifest.files[len(manifest.files) // 2]
+    entry = next(f for f in manifest.files[len(manifest.files) // 2:] if f.nbytes >= 8 and f.dtype == "float32")
     path = root / manifest.data / entry.path
     if damage == "truncate":
         os.truncate(path, entry.nbytes - 8)
-    elif damage == "flip":
+    elif damage in ("flip", "two signs"):
         raw = bytearray(path.read_bytes())
-        raw[-1] ^= 0x01
+        if damage == "flip":
+            raw[-1] ^= 0x01
+        else:  # two sign bits (-w <-> w): exported as the opposite weights if unseen
+            raw[3] ^= 0x80
+            raw[7] ^= 0x80
         path.write_bytes(bytes(raw))
     else:
         os.unlink(path)
-    word = {"truncate": "truncated", "flip": "corrupted", "delete": "is missing"}[damage]
+    word = {"truncate": "truncated", "flip": "corrupted", "two signs": "corrupted", "delete": "is missing"}[damage]
     for to, dst in (("hf", tmp_path / "out"), ("tp=4", tmp_path / "n4")):
         fails(["convert", str(root), str(dst), "--to", to], entry.path, entry.tensor, word, dst=dst)
 
@@ -188,11 +198,23 @@ def test_layout_that_does_not_fit(tmp_path, to, needle):
     fails(["convert", str(tmp_path / "hf"), str(tmp_path / "n"), "--to", to], needle, dst=tmp_path / "n")
 
 
+def _tree(path) -> dict[str, bytes]:
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, path)] = open(p, "rb").read()
+    return out
+
+
 def test_destination_with_a_checkpoint_needs_overwrite(tmp_path, nereus_ckpt):
     root, manifest = nereus_ckpt
-    line = fails(["convert", str(tmp_path / "hf"), str(root), "--to", "tp=4"], "--overwrite", "already holds", dst=tmp_path / "none")
-    assert str(root) in line and CheckpointStore(str(root)).manifest() == manifest
-    fails(["convert", str(root), str(tmp_path / "hf"), "--to", "hf"], "--overwrite", dst=tmp_path / "none")
+    before = _tree(root / "data")
+    line = fails(["convert", str(tmp_path / "hf"), str(root), "--to", "tp=4"], "--overwrite", "already holds", dst=root, held=True)
+    assert str(root) in line and CheckpointStore(str(root)).manifest() == manifest and _tree(root / "data") == before
+    hf_before = _tree(tmp_path / "hf")
+    fails(["convert", str(root), str(tmp_path / "hf"), "--to", "hf"], "--overwrite", dst=tmp_path / "hf", held=True)
+    assert _tree(tmp_path / "hf") == hf_before  # the HF directory is untouched
     assert cli("convert", str(tmp_path / "hf"), str(root), "--to", "tp=4", "--overwrite", "--no-progress").exit_code == 0
     after = CheckpointStore(str(root))
     assert after.steps() == [0] and after.manifest().emus[0].config.tp == 4
@@ -224,3 +246,68 @@ def test_training_checkpoint_relayout_keeps_optimizer_state(tmp_path):
         assert mismatches(out["actor"], target_layouts, rank) == []
     convert(str(tmp_path / "n"), str(tmp_path / "hf"), to="hf")
     assert not any(n.startswith("optim/") for n in HFCheckpoint.open(str(tmp_path / "hf")).tensors)
+
+
+def test_overwrite_to_hf_replaces_only_an_hf_export(tmp_path):
+    write_hf_model(tmp_path / "hf", llama_config())
+    (tmp_path / "hf" / "generation_config.json").write_text('{"eos_token_id": 2}')
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"model": {}}')
+    convert(str(tmp_path / "hf"), str(tmp_path / "n"), to="tp=2")  # side files travel in the checkpoint
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "model.safetensors").write_bytes(b"old")
+    line = fails(["convert", str(tmp_path / "n"), str(out), "--to", "hf", "--overwrite"], "notes.txt",
+                 "--overwrite replaces only an HF export", dst=out, held=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").read_bytes() == b"old", line
+    (out / "notes.txt").unlink()  # now only what an export writes: replaced
+    assert cli("convert", str(tmp_path / "n"), str(out), "--to", "hf", "--overwrite", "--no-progress").exit_code == 0
+    assert (out / "generation_config.json").read_text() == '{"eos_token_id": 2}'
+    assert (out / "tokenizer.json").read_text() == '{"model": {}}'
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == config["dtype"] == "float32"
+
+
+def _racing_convert(src, dst, barrier, queue):
+    """Both conversions pass the destination check, then meet before committing."""
+    import torch as _torch
+
+    from nereus.store import checkpoint as ck
+
+    _torch.set_num_threads(1)
+    commit = ck.CheckpointStore.commit_exclusive
+
+    def after_both_wrote(self, manifest, snapshot):
+        barrier.wait(60)
+        return commit(self, manifest, snapshot)
+
+    ck.CheckpointStore.commit_exclusive = after_both_wrote
+    try:
+        convert(src, dst, to="tp=2")
+        queue.put("committed")
+    except StoreError as e:
+        queue.put(type(e).__name__ + ": " + str(e))
+
+
+@pytest.mark.timeout(120)
+def test_two_conversions_into_one_destination_one_commits(tmp_path):
+    import multiprocessing as mp
+
+    write_hf_model(tmp_path / "hf", llama_config())
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    dst = str(tmp_path / "n")
+    procs = [ctx.Process(target=_racing_convert, args=(str(tmp_path / "hf"), dst, barrier, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(100)
+    outcomes = sorted(queue.get(timeout=5) for _ in procs)
+    assert outcomes[1] == "committed" and outcomes[0].startswith("ConflictError"), outcomes
+    assert "another writer committed" in outcomes[0]
+    store = CheckpointStore(dst)
+    assert store.steps() == [0]
+    assert os.listdir(tmp_path / "n" / "data") == [store.manifest().data.split("/")[1]]  # the loser removed its data
+    emus = derive_emus(spec_from_hf_config(llama_config()), ParallelConfig.on(tp=2), model="actor", stage="train")
+    for rank in range(2):
+        load_checkpoint(dst, emus, rank)

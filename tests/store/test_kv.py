@@ -62,8 +62,19 @@ def test_compare_and_swap_detects_a_stale_read(store):
     assert store.get("k").value == {"n": 2}
 
 
-def test_missing_key_generation_is_absent(store):
-    assert store.generation("nothing-here") == ABSENT
+def test_the_generation_of_a_missing_key_is_what_a_create_only_write_expects(store):
+    """ABSENT is what tensorstore itself reports for a missing key: a CAS made with it
+    creates the key once, and is refused once the key exists (deleted, it is ABSENT again)."""
+    missing = store.generation("nothing-here")
+    assert missing == ABSENT
+    first = store.put("nothing-here", {"n": 1}, expect=missing)
+    assert first not in (ABSENT, b"") and store.generation("nothing-here") == first
+    with pytest.raises(ConflictError, match="already exists"):
+        store.put("nothing-here", {"n": 2}, expect=missing)
+    second = store.put("nothing-here", {"n": 3}, expect=first)
+    assert second != first and store.get("nothing-here").value == {"n": 3}
+    store.put("nothing-here", None, expect=second)
+    assert store.generation("nothing-here") == ABSENT and store.get("nothing-here") is None
 
 
 def test_atomic_commit_all_or_nothing(store):

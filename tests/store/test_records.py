@@ -7,7 +7,11 @@ import torch
 
 from nereus.reshard.derive import DecoderSpec, derive_emus
 from nereus.reshard.layout import ParallelConfig
-from nereus.store.checksum import block_checksums, blocks_of, region_span, wsum64, wsum64_reference
+import zlib
+
+from nereus.store.checksum import (
+    block_checksums, blocks_of, checksums_of, crc32c, region_span, wsum64, wsum64_blocks, wsum64_reference,
+)
 from nereus.store.errors import SchemaError
 from nereus.store.records import FileEntry, Manifest, manifest_from_dict, manifest_to_dict
 
@@ -27,10 +31,44 @@ def test_wsum64_matches_its_plain_definition_and_sees_every_change(n):
     assert wsum64(data + b"\0") != wsum64(data)  # length counts, not only content
 
 
+def _crc32c_bitwise(data: bytes) -> int:
+    """CRC32C from its definition (reflected polynomial 0x82F63B78), one bit at a time."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 4095, 4097])
+def test_crc32c_is_the_castagnoli_crc(n):
+    data = bytes((i * 131 + 7) % 256 for i in range(n))
+    assert crc32c(data) == _crc32c_bitwise(data)
+    assert crc32c(b"123456789") == 0xE3069283  # the published check value
+    assert crc32c(data) != zlib.crc32(data) or n == 0  # not the IEEE polynomial
+
+
 def test_block_checksums_cut_into_blocks():
     data = bytes(range(256)) * 40  # 10240 bytes
-    assert block_checksums(data, 4096) == tuple(f"{wsum64(data[i:i + 4096]):016x}" for i in (0, 4096, 8192))
-    assert block_checksums(b"", 4096) == (f"{wsum64(b''):016x}",)
+    assert block_checksums(data, 4096) == tuple(f"{crc32c(data[i:i + 4096]):08x}" for i in (0, 4096, 8192))
+    assert block_checksums(b"", 4096) == (f"{crc32c(b''):08x}",)
+    assert wsum64_blocks(data, 4096) == tuple(f"{wsum64(data[i:i + 4096]):016x}" for i in (0, 4096, 8192))
+    assert checksums_of("crc32c", data, 4096) == block_checksums(data, 4096)
+    assert checksums_of("wsum64", data, 4096) == wsum64_blocks(data, 4096)
+
+
+def test_two_sign_flips_in_one_block_cancel_in_wsum64_not_in_crc32c():
+    """Why the scheme changed: wsum64 is linear mod 2**64, so flipping bit 63 of two words
+    adds 2**63 * (w_i + w_j), which is 0 mod 2**64 (odd weights): the sum cannot see it."""
+    words = torch.randn(1024, dtype=torch.float64)
+    data = words.numpy().tobytes()
+    flipped = words.clone()
+    flipped[10], flipped[500] = -flipped[10], -flipped[500]  # two sign bits
+    damaged = flipped.numpy().tobytes()
+    assert damaged != data
+    assert wsum64(damaged) == wsum64(data)  # the weighted sum misses it
+    assert block_checksums(damaged) != block_checksums(data)  # the CRC does not
 
 
 def test_region_span_matches_the_bytes_a_region_touches():
