@@ -172,6 +172,7 @@ def save_staged(
     fs, root = fsspec.core.url_to_fs(path)
     fs.makedirs(root, exist_ok=True)
     written = []
+    existing = _all_versions(fs, root)  # one listing, not one per box
     for name, layout in sorted(layouts.items()):
         for (offsets, lengths), holders in layout.unique_boxes().items():
             alive = sorted((s for s in holders if live is None or s.rank in live), key=lambda s: s.rank)
@@ -196,7 +197,7 @@ def save_staged(
                 sums = {"block": BLOCK, "crc32c": list(block_checksums(data, BLOCK))}
                 _atomic_write(fs, target + SIDECAR, json.dumps(sums).encode())
             written.append(target)
-            for old in _versions(fs, root, name, offsets):
+            for old in existing.get(box_file(name, offsets)[: -len(".bin")], ()):
                 if old != version:
                     for p in (f"{root}/{box_file(name, offsets, old)}", f"{root}/{box_file(name, offsets, old)}{SIDECAR}"):
                         _remove(fs, p)
@@ -210,6 +211,18 @@ def _remove(fs, path: str) -> None:
         fs.rm(path)
     except FileNotFoundError:
         pass
+
+
+def _all_versions(fs, root: str) -> dict[str, list[int]]:
+    """For every box with a versioned file in ``root``: its stem (name and offsets) -> versions."""
+    out: dict[str, list[int]] = defaultdict(list)
+    for p in fs.ls(root, detail=False):
+        base = p.rstrip("/").rsplit("/", 1)[-1]
+        if base.endswith(".bin") and "@v" in base:
+            stem, _, tail = base[: -len(".bin")].rpartition("@v")
+            if tail.isdigit():
+                out[stem].append(int(tail))
+    return out
 
 
 def _versions(fs, root: str, name: str, offsets) -> list[int]:

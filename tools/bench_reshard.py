@@ -13,11 +13,17 @@ layers, tied embeddings = 182 tensors, 1.079 GiB) starts in its TP=2 layout and 
 For each case, each method is timed as the median of 3 runs after one warm-up; a run is
 ``barrier; t0; op; t1`` on every rank and counts ``max over ranks (t1 - t0)``:
 
-- stream: ``execute_stream`` into target buffers that already exist (plan_transfers and
-  plan_graph done beforehand, timed separately as "planning"); ``stream+alloc`` also
-  creates the target buffers inside the timed region (first-touch page faults included);
+- stream: ``execute_stream`` with CRC32C checksums on every message, into target buffers
+  that already exist (plan_transfers and plan_graph done beforehand, timed separately as
+  "planning"); ``stream-nocrc`` the same without checksums; ``stream+alloc`` also creates
+  the target buffers inside the timed region (first-touch page faults included);
   ``stream+arena`` reuses one StagingArena across calls (a weight sync every step would);
   one extra stream run per case goes under cProfile (rank 0's top functions are printed);
+- budget: one stream run under a memory budget (0.9 of the unbounded graph's peak with the
+  sources handed over, or the least fraction of 0.9, 0.95, 1.0 that schedules), its peak
+  MEASURED on each rank: the CPU allocator's own events (torch.profiler, every allocation
+  and free) summed from before the sources exist; ``peak_over_budget`` = the highest
+  rank's measured peak / the budget given to the graph (bar <= 1.0);
 - dcp: ``dcp.save`` of the source as DTensors to /dev/shm, then ``dcp.load`` into DTensors
   over the target buffers (directory removed between runs, outside the timing);
 - redistribute: ``DTensor.redistribute`` of every tensor from source to target placements
@@ -47,7 +53,7 @@ estimate_transfers + plan_graph, ``plan_rank_s`` = plan_transfers for one middle
 and the growth of the process's peak RSS while planning.
 
 The last printed line is one JSON object (keys: stream_over_dcp, stream_over_redistribute,
-stream_over_floor, plan_global_s, plan_rank_s, then extras). Absolute seconds depend on
+stream_over_floor, plan_global_s, plan_rank_s, peak_over_budget, then extras). Absolute seconds depend on
 the machine and on what else runs; compare ratios from one run.
 """
 
@@ -91,9 +97,11 @@ LLAMA3_70B = DecoderSpec(
     num_heads=64, num_kv_heads=8, dtype="bfloat16",
 )
 CASES = ("flip", "tp2_to_replicated")
-METHODS = ("stream", "stream+alloc", "stream+arena", "dcp", "redistribute", "allgather", "handwritten", "floor", "copies",
-           "floor+copies")
-BARS = {"stream_over_dcp": 3.0, "stream_over_redistribute": 3.0, "stream_over_floor": 1.5, "plan_global_s": 1.0, "plan_rank_s": 1.0}
+METHODS = ("stream", "stream-nocrc", "stream+alloc", "stream+arena", "dcp", "redistribute", "allgather", "handwritten", "floor",
+           "copies", "floor+copies")
+BARS = {"stream_over_dcp": 3.0, "stream_over_redistribute": 3.0, "stream_over_floor": 1.5, "plan_global_s": 1.0, "plan_rank_s": 1.0,
+        "peak_over_budget": 1.0}
+AT_MOST = ("stream_over_floor", "plan_global_s", "plan_rank_s", "peak_over_budget")
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -205,15 +213,19 @@ def bench_stream(ctx, dst, *, runs, check) -> dict:
     _poison(dst)
 
     def run():
-        last["result"] = execute_stream(plan, graph, src, rank=rank, dst_buffers=dst)
+        last["result"] = execute_stream(plan, graph, src, rank=rank, dst_buffers=dst, checksums=True)
+
+    def run_nocrc():
+        execute_stream(plan, graph, src, rank=rank, dst_buffers=dst)
 
     def run_alloc():
-        out = execute_stream(plan, graph, src, rank=rank, dst_buffers=make_buffers(plan.dst_buffers[rank]))
+        out = execute_stream(plan, graph, src, rank=rank, dst_buffers=make_buffers(plan.dst_buffers[rank]), checksums=True)
         del out
 
     res = {"stream": _summary(timed(run, runs=runs, after_first=lambda: _check("stream", dst, plan.layouts.values(), rank, check)))}
     res["stream"]["stats_rank"] = _stats(last.get("result"))
     res["stream"]["profile_rank"] = _profile(run)
+    res["stream-nocrc"] = _summary(timed(run_nocrc, runs=runs))
     res["stream+alloc"] = _summary(timed(run_alloc, runs=runs))
     if "staging" in inspect.signature(execute_stream).parameters:  # a caller that keeps its staging arena
         from nereus.reshard.stream import StagingArena
@@ -221,7 +233,7 @@ def bench_stream(ctx, dst, *, runs, check) -> dict:
         arena = StagingArena()
 
         def run_arena():
-            last["result"] = execute_stream(plan, graph, src, rank=rank, dst_buffers=dst, staging=arena)
+            last["result"] = execute_stream(plan, graph, src, rank=rank, dst_buffers=dst, staging=arena, checksums=True)
 
         res["stream+arena"] = _summary(timed(run_arena, runs=runs))
         res["stream+arena"]["stats_rank"] = _stats(last.get("result"))
@@ -466,6 +478,65 @@ def bench_handwritten(ctx, dst, *, runs, check, do_check) -> dict:
     return {"handwritten": _summary(timed(run, runs=runs, after_first=after))}
 
 
+SENTINEL = 123_457  # bytes of the marker allocation that opens the measured window
+
+
+def bench_budget(ctx) -> dict:
+    """One budgeted stream run, its peak measured (module docstring): sources cloned inside
+    the profiled region and handed over, targets allocated by the executor."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import OpTree
+
+    from nereus.reshard.arrays import arrays_from_plan
+    from nereus.reshard.errors import MemoryBudgetError
+    from nereus.reshard.graph import plan_graph
+    from nereus.reshard.stream import execute_stream
+
+    plan, src, rank = ctx["plan"], ctx["src"], ctx["rank"]
+    arrays = arrays_from_plan(plan)
+    free = plan_graph(arrays, release_sources=True)
+    unbounded = max(free.peak_bytes.values())
+    for fraction in (0.9, 0.95, 1.0):
+        budget = int(fraction * unbounded)
+        try:
+            graph = plan_graph(arrays, budget=budget, release_sources=True)
+            break
+        except MemoryBudgetError:
+            continue
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        mine = {n: src[n].clone() for n in plan.src_buffers.get(rank, {})}
+        entry = sum(t.nbytes for t in mine.values())
+        opens = torch.empty(SENTINEL, dtype=torch.uint8)
+        del opens
+        t0 = time.perf_counter()
+        out = execute_stream(plan, graph, mine, rank=rank, release_sources=True, checksums=True)
+        seconds = time.perf_counter() - t0
+        closes = torch.empty(SENTINEL, dtype=torch.uint8)  # the window ends with the call
+        del closes
+        bad = mismatches(out, plan.layouts.values(), rank)
+        del out, mine
+    live = top = 0
+    base, markers = None, 0
+    for e in OpTree(prof.profiler.kineto_results).sorted_nodes:
+        if e.typed[0] != _EventType.Allocation or e.typed[1].device.type != "cpu":
+            continue
+        size = e.typed[1].alloc_size
+        live += size
+        if size == SENTINEL:
+            markers += 1
+            if markers == 1:
+                base = top = live - size
+        elif markers == 1 and size != -SENTINEL:
+            top = max(top, live)
+    measured = top - base + entry
+    return {"budget": {"budget_bytes": budget, "fraction": fraction, "rounds": graph.num_rounds,
+                       "unbounded_rounds": free.num_rounds, "graph_peak_bytes_rank": graph.peak_bytes.get(rank),
+                       "measured_peak_bytes_rank": measured, "peak_over_budget_rank": measured / budget,
+                       "median_s": _sync_max(seconds), "exact": not bad}}
+
+
 # ----------------------------------------------------------------------------- worker
 
 
@@ -522,6 +593,7 @@ def worker(rank: int, world: int, spec: DecoderSpec, runs: int, check_all: bool,
             ("handwritten", lambda: bench_handwritten(ctx, dst, runs=runs, check=res["check"], do_check=check_all)),
             ("floor", lambda: bench_floor(ctx, runs=runs)),
             ("copies", lambda: bench_copies(ctx, dst, runs=runs)),
+            ("budget", lambda: bench_budget(ctx)),
         ]
         res["methods"] = {}
         for name, step in steps:
@@ -615,13 +687,20 @@ def report(result: dict, verbose: bool = True) -> dict:
         planned = "planned in " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in planning.items())
         print(f"{case:<18} crossing {gb:.3f} GB; {planned}")
         for m in METHODS:
-            if m not in res["methods"]:
+            if m not in res["methods"] or "median_s" not in res["methods"][m]:
                 continue
             s = res["methods"][m]["median_s"]
             ratio = f"{s / stream:9.2f}" if stream else f"{'-':>9}"
             print(f"{'':<18} {m:<13} {s:9.3f} {gb / s:7.2f} {ratio}")
         for name, bad in res["check"].items():
             print(f"{'':<18} check {name}: {'exact' if not bad else bad}")
+        budget = res["methods"].get("budget")
+        if budget:
+            print(f"{'':<18} budget {budget['budget_bytes'] / 1e9:.3f} GB ({budget['fraction']:.2f} of the unbounded peak): "
+                  f"{budget['rounds']} rounds (unbounded {budget['unbounded_rounds']}), rank 0 measured peak "
+                  f"{budget['measured_peak_bytes_rank'] / 1e9:.3f} GB = {budget['peak_over_budget_rank']:.4f} of the budget "
+                  f"(graph {budget['graph_peak_bytes_rank'] / 1e9:.3f} GB), {budget['median_s']:.3f} s, "
+                  f"{'exact' if budget['exact'] else 'WRONG'}")
         for name, err in res["errors"].items():
             print(f"{'':<18} {name} FAILED: {err.strip().splitlines()[-1]}")
         for m in ("stream", "stream+arena"):
@@ -653,12 +732,15 @@ def report(result: dict, verbose: bool = True) -> dict:
         return None
 
     scale = result.get("scale") or {}
+    peaks = [r["methods"]["budget"]["peak_over_budget"] for r in result["cases"].values() if "budget" in r["methods"]]
     summary = {
         "stream_over_dcp": ratio("dcp", "stream"),
         "stream_over_redistribute": ratio("redistribute", "stream"),
         "stream_over_floor": ratio("stream", "floor"),
         "plan_global_s": scale.get("plan_global_s"),
         "plan_rank_s": scale.get("plan_rank_s"),
+        "peak_over_budget": max(peaks) if peaks else None,
+        "crc_cost": ratio("stream", "stream-nocrc"),
         "stream_over_bound": ratio("stream", "floor+copies"),
         "arena_over_bound": ratio("stream+arena", "floor+copies"),
         "arena_over_floor": ratio("stream+arena", "floor"),
@@ -693,8 +775,8 @@ def report(result: dict, verbose: bool = True) -> dict:
         if value is None:
             print(f"  {key:<26} {'n/a':>8}  SKIP")
             continue
-        ok = value <= bar if key in ("stream_over_floor", "plan_global_s", "plan_rank_s") else value >= bar
-        sign = "<=" if key in ("stream_over_floor", "plan_global_s", "plan_rank_s") else ">="
+        ok = value <= bar if key in AT_MOST else value >= bar
+        sign = "<=" if key in AT_MOST else ">="
         print(f"  {key:<26} {value:8.3f}  {sign} {bar}  {'PASS' if ok else 'FAIL'}")
     return summary
 
@@ -727,6 +809,14 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
     result.update(ranks[0])
     result["check_rank1"] = {c: r["check"] for c, r in ranks[1]["cases"].items()}
+    for case, res in result["cases"].items():  # the highest rank's measured peak counts
+        budget = res["methods"].get("budget")
+        if budget:
+            other = ranks[1]["cases"][case]["methods"]["budget"]
+            budget["peak_over_budget"] = max(budget["peak_over_budget_rank"], other["peak_over_budget_rank"])
+            budget["exact"] = budget["exact"] and other["exact"]
+            if not budget["exact"]:
+                res["check"]["budget"] = ["the budgeted run's result differs"]
     for case, res in result["cases"].items():  # either rank's mismatch counts
         for name, bad in ranks[1]["cases"][case]["check"].items():
             res["check"][name] = res["check"].get(name, []) + bad
