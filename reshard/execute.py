@@ -171,8 +171,9 @@ def plan_or_stage(plan: TransferPlan, *, budget=None, release_sources: bool = Fa
     """The transition graph under ``budget``, or None when no stream schedule fits it
     (the caller then takes the staged path). Pure: every rank gets the same answer."""
     from .arrays import arrays_from_plan
-    from .graph import plan_graph
+    from .graph import RESERVE_BYTES, plan_graph
 
+    graph_kwargs.setdefault("reserve", RESERVE_BYTES if budget is not None else 0)
     try:
         return plan_graph(arrays_from_plan(plan), budget=budget, release_sources=release_sources, **graph_kwargs)
     except MemoryBudgetError:

@@ -58,6 +58,10 @@ from .errors import MemoryBudgetError
 from .messages import COALESCE_BYTES
 from .plan import STAGED
 
+RESERVE_BYTES = 64 << 10
+"""What ``reshard()`` leaves free per rank under a budget for the executor's bookkeeping:
+agreement records, checksum vectors (8 bytes a message), a gloo work's lingering outputs."""
+
 FREED_BEFORE = -1
 """``free_round`` of a source buffer that no transfer reads, freed before round 0."""
 KEPT = -2
@@ -277,6 +281,7 @@ def plan_graph(
     max_messages: int = 64,
     cost: LinkCost = LinkCost(),
     coalesce: int = COALESCE_BYTES,
+    reserve: int = 0,
 ) -> TransitionGraph:
     """Schedule ``arrays`` into rounds within every rank's memory budget (module docstring).
 
@@ -305,6 +310,8 @@ def plan_graph(
     for r in ranks:
         present[r] = True
     limit = _limits(budget, width)
+    if reserve:
+        limit = np.where(limit < _UNBOUNDED, np.maximum(limit - int(reserve), 0), limit)
     schedule = _Schedule(arrays, limit, release_sources, max_messages, width, coalesce)
     schedule.run()
     num_rounds = max(1, int(schedule.round_of.max(initial=-1)) + 1)

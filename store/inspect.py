@@ -60,6 +60,8 @@ def describe_manifest(m: Manifest) -> str:
     lines = [
         f"step {m.step}: {m.status} {when}, {len(m.files)} files, {_size(m.nbytes)} in {m.data}",
         f"state: {', '.join(sorted(m.state)) or '-'}; RNG states of {len(m.rng)} rank(s)",
+        f"checksums: {m.checksum} per {_size(m.checksum_block)} block; other files: "
+        f"{', '.join(a.path for a in m.aux) or '-'}",
         "",
     ]
     rows = [["model", "stage", "replica", "layout", "ranks", "tensors", "bytes", "version"]]

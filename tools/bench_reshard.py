@@ -490,7 +490,7 @@ def bench_budget(ctx) -> dict:
 
     from nereus.reshard.arrays import arrays_from_plan
     from nereus.reshard.errors import MemoryBudgetError
-    from nereus.reshard.graph import plan_graph
+    from nereus.reshard.graph import RESERVE_BYTES, plan_graph
     from nereus.reshard.stream import execute_stream
 
     plan, src, rank = ctx["plan"], ctx["src"], ctx["rank"]
@@ -500,7 +500,7 @@ def bench_budget(ctx) -> dict:
     for fraction in (0.9, 0.95, 1.0):
         budget = int(fraction * unbounded)
         try:
-            graph = plan_graph(arrays, budget=budget, release_sources=True)
+            graph = plan_graph(arrays, budget=budget, release_sources=True, reserve=RESERVE_BYTES)  # as reshard() plans
             break
         except MemoryBudgetError:
             continue

@@ -251,7 +251,9 @@ def _gone_rank(rank: int, world: int, root: str) -> dict:
         res = execute(plan, graph_for(plan), {} if fresh else src, rank=rank, group=group, staged_path=root,
                       checksums=True, transport=transport)
         bad = mismatches(res, plan.layouts.values(), rank) if fresh else exact(plan, rank, res, src)
-        out[name] = bad, res.stats.bytes_staged, res.stats.bytes_received, len(res.stats.samples)
+        samples = res.stats.samples
+        out[name] = (bad, res.stats.bytes_staged, res.stats.bytes_received, len(samples),
+                     sum(x.nbytes for x in samples), {x.coalesced for x in samples}, len({(x.round, x.src) for x in samples}))
     return out
 
 
@@ -267,4 +269,9 @@ def test_transition_completes_when_a_source_rank_is_gone(shm):
     assert results[1]["A"][1] > 0  # tp=2 rank 1 needs TP4 shard 3: only in the staged checkpoint
     for name in ("B gloo", "B nccl"):  # the fresh rank 2 mixes staged and streamed bytes
         assert results[2][name][1] > 0 and results[2][name][2] > 0, name
-    assert results[2]["B nccl"][3] <= results[2]["B gloo"][3]  # NCCL: one sample per peer and round
+    for rank in (0, 1, 2):
+        gloo, nccl = results[rank]["B gloo"], results[rank]["B nccl"]
+        assert gloo[4] == gloo[2] and nccl[4] == nccl[2], rank  # samples account for every byte received
+        if nccl[3]:  # one coalesced sample per (round, peer): a batch is one work, its time shared
+            assert nccl[5] == {True} and nccl[3] == nccl[6] and gloo[5] == {False}, (rank, gloo, nccl)
+    assert results[2]["B nccl"][3] <= results[2]["B gloo"][3]

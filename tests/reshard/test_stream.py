@@ -357,6 +357,7 @@ def _budgeted(rank: int, world: int, cases: list[tuple[str, dict]]) -> list:
     from torch.profiler._memory_profiler import OpTree
 
     from nereus.reshard.execute import execute
+    from nereus.reshard.graph import RESERVE_BYTES
     from nereus.reshard.stream import StagingArena
 
     out = []
@@ -365,7 +366,7 @@ def _budgeted(rank: int, world: int, cases: list[tuple[str, dict]]) -> list:
         plan = plan_transfers(sources, targets)
         free = graph_for(plan, release_sources=True)
         budget = int(case["fraction"] * max(free.peak_bytes.values()))
-        graph = graph_for(plan, budget=budget, release_sources=True)
+        graph = graph_for(plan, budget=budget, release_sources=True, reserve=RESERVE_BYTES)  # what reshard() plans with
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             arena = StagingArena()
             src = reference_state(plan.src_layouts.values(), rank)

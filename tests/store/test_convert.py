@@ -87,6 +87,7 @@ def test_inspect_table_and_json(tmp_path):
     assert table.exit_code == 0
     assert "dp=1,tp=2,pp=2" in table.output and "model.layers.3.mlp.down_proj.weight" in table.output
     assert "r1[:,32:64]" in table.output  # row-parallel: tp rank 1 holds the second half of dim 1
+    assert "checksums: crc32c per 4.0 MiB block; other files: metadata.json" in table.output
     record = json.loads(cli("inspect", str(tmp_path / "n"), "--json").output)
     assert record["steps"] == [0] and record["manifest"]["schema"] == 1
     assert record["manifest"]["emus"][0]["config"]["tp"] == 2
