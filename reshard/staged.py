@@ -163,11 +163,13 @@ def save_staged(
     """Write the boxes ``rank`` is the lowest live holder of; returns the files written.
 
     ``layouts`` are the merged SOURCE layouts (``plan.src_layouts``); every live rank
-    calls this with the same layouts and ``version`` and its own ``buffers``. A box with no
-    live holder is not written: a file of it staged earlier keeps its own version in its
-    name, so a read of this version names it instead of using it (module docstring). A
-    rewritten box's files of other versions are removed. ``checksums`` adds a CRC32C block
-    sidecar per box.
+    calls this with the same layouts and ``version`` and its own ``buffers``. ``version``
+    names the STATE being staged (the EMU version): one state may be staged in parts (a
+    rank stages its shards before it leaves, the others later, all at one version), and a
+    new state must use a new version — a box with no live holder is not written, and its
+    file of an earlier version then keeps that version in its name, so a read of the new
+    version names it instead of using it (module docstring). A rewritten box's files of
+    other versions are removed. ``checksums`` adds a CRC32C block sidecar per box.
     """
     fs, root = fsspec.core.url_to_fs(path)
     fs.makedirs(root, exist_ok=True)

@@ -67,7 +67,7 @@ class Transport:
         return dist.irecv(tensor, group=group, tag=tag, group_src=peer)
 
     def batch(self, ops: list) -> list:
-        """``batch_isend_irecv`` of ``(kind, tensor, tag, peer)`` ops; its works (NCCL: one)."""
+        """``batch_isend_irecv`` of ``dist.P2POp`` s (from :meth:`p2p_op`); its works (NCCL: one)."""
         return dist.batch_isend_irecv(ops)
 
     def p2p_op(self, kind: str, tensor, *, group, tag: int, peer: int):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ def side_files(path: str) -> dict[str, bytes]:
 
 def exported_file(name: str) -> bool:
     """Whether an HF export writes a file of this name (what ``--overwrite`` may replace)."""
-    return name in (CONFIG, INDEX, SINGLE, *SIDE_FILES) or (name.startswith("model-") and name.endswith(".safetensors"))
+    return name in (CONFIG, INDEX, SINGLE, *SIDE_FILES) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old exports carry; recomputed by models
 
 
