@@ -488,8 +488,8 @@ class StagedReader(StorageReader):
             if self.local:
                 if self.verify:
                     self._verified_bytes(box, items, fetch=False)
-                whole = self.mapped(box)
-                self.bytes_read += sum(z - a for i in items for a, z in box.runs(i.storage_offsets, i.lengths))
+                whole = self.mapped(box)  # pages are read as the copies touch them: the regions' own bytes
+                self.bytes_read += sum(math.prod(i.lengths) for i in items) * itemsize(box.dtype)
                 regions = [box_view(whole, tuple(i.storage_offsets), tuple(i.lengths)) for i in items]
             else:
                 if self.verify:
