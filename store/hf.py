@@ -189,8 +189,11 @@ class HFWriter:
     Everything goes into ``<dst>.tmp-<id>/``; ``close`` renames it to ``dst`` (moving an
     existing ``dst`` aside first when ``overwrite``, then deleting it). ``overwrite`` only
     replaces a directory that holds nothing but what an HF export writes (``exported_file``):
-    anything else in it is refused before a byte is written. ``side_files`` (name ->
-    bytes: generation config, tokenizer) are written beside ``config.json``. ``abort``
+    anything else in it is refused before a byte is written, and again at ``close``.
+    Without ``overwrite`` the final rename only replaces an absent or empty ``dst``: of
+    two exports into one destination the second to close fails (CheckpointExistsError)
+    and removes its temporary directory, never replacing the first. ``side_files`` (name
+    -> bytes: generation config, tokenizer) are written beside ``config.json``. ``abort``
     removes the temporary directory.
     """
 
@@ -208,15 +211,7 @@ class HFWriter:
         dst = os.path.abspath(dst)
         if os.path.exists(dst) and (os.listdir(dst) if os.path.isdir(dst) else True) and not overwrite:
             raise CheckpointExistsError(f"{dst} already exists and is not empty; pass --overwrite to replace it")
-        if os.path.exists(dst):
-            if not os.path.isdir(dst):
-                raise CheckpointExistsError(f"{dst} is a file, not a directory; refusing to replace it")
-            foreign = sorted(n for n in os.listdir(dst) if not exported_file(n))
-            if foreign:
-                raise CheckpointExistsError(
-                    f"{dst} holds files an HF export does not write ({', '.join(foreign[:5])}"
-                    f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only an HF export: choose an empty directory"
-                )
+        _refuse_foreign(dst)
         self.dst = dst
         self._overwrite = overwrite
         self._sync = sync
@@ -264,11 +259,26 @@ class HFWriter:
             }
             with open(os.path.join(self._tmp, INDEX), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
+        # The check of __init__ and this rename are one compare-and-swap: rename(2) replaces
+        # only an EMPTY directory, so an export that landed at dst meanwhile (another
+        # conversion's) makes this one fail instead of being silently replaced.
         old = None
-        if os.path.exists(self.dst):
-            old = f"{self.dst}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.dst, old)
-        os.replace(self._tmp, self.dst)
+        try:
+            if self._overwrite and os.path.lexists(self.dst):
+                _refuse_foreign(self.dst)  # what is there now, not what was there at the start
+                old = f"{self.dst}.old-{uuid.uuid4().hex[:8]}"
+                os.rename(self.dst, old)
+            os.rename(self._tmp, self.dst)
+        except (OSError, CheckpointExistsError) as e:
+            if old is not None and not os.path.lexists(self.dst):
+                os.rename(old, self.dst)  # put back what was replaced
+            self.abort()
+            if isinstance(e, CheckpointExistsError):
+                raise
+            raise CheckpointExistsError(
+                f"{self.dst}: another export was put there while this one was written ({e.strerror or e}); "
+                "nothing of this conversion was kept"
+            ) from None
         if old is not None:
             shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.unlink(old)
 
@@ -276,6 +286,21 @@ class HFWriter:
         if self._writer is not None:
             self._writer.abort()
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _refuse_foreign(dst: str) -> None:
+    """CheckpointExistsError unless ``dst`` is absent or a directory holding only what an
+    HF export writes (what ``--overwrite`` may replace)."""
+    if not os.path.lexists(dst):
+        return
+    if not os.path.isdir(dst):
+        raise CheckpointExistsError(f"{dst} is a file, not a directory; refusing to replace it")
+    foreign = sorted(n for n in os.listdir(dst) if not exported_file(n))
+    if foreign:
+        raise CheckpointExistsError(
+            f"{dst} holds files an HF export does not write ({', '.join(foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only an HF export: choose an empty directory"
+        )
 
 
 def _read_json(path: str) -> dict:

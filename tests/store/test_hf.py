@@ -154,3 +154,37 @@ def test_writer_is_atomic_and_refuses_to_overwrite(tmp_path):
     assert len(set(ckpt.files.values())) > 1
     with pytest.raises(CheckpointExistsError, match="--overwrite"):
         HFWriter(dst, entries, config)
+
+
+@pytest.mark.parametrize("existing", ["absent", "empty"])
+def test_of_two_writers_into_one_destination_the_second_fails_and_keeps_nothing(tmp_path, existing):
+    """The destination check (at the start) and the rename (at the end) are one
+    compare-and-swap: an export that landed meanwhile is never replaced."""
+    entries = [("w", "float32", (3,))]
+    dst = tmp_path / "out"
+    if existing == "empty":
+        dst.mkdir()
+    first, second = HFWriter(str(dst), entries, {"n": 1}), HFWriter(str(dst), entries, {"n": 2})
+    first.write("w", torch.ones(3))
+    second.write("w", torch.zeros(3))
+    first.close()
+    with pytest.raises(CheckpointExistsError, match="another export was put there"):
+        second.close()
+    assert json.loads((dst / "config.json").read_text()) == {"n": 1}
+    assert torch.equal(HFCheckpoint.open(str(dst)).read("w"), torch.ones(3))
+    assert os.listdir(tmp_path) == ["out"]  # the loser's temporary directory is gone
+
+
+def test_overwrite_checks_the_destination_again_before_replacing_it(tmp_path):
+    entries = [("w", "float32", (3,))]
+    dst = tmp_path / "out"
+    w = HFWriter(str(dst), entries, {"n": 1})
+    w.write("w", torch.ones(3))
+    w.close()
+    w = HFWriter(str(dst), entries, {"n": 2}, overwrite=True)
+    w.write("w", torch.zeros(3))
+    (dst / "notes.txt").write_text("mine")  # put there while the export was written
+    with pytest.raises(CheckpointExistsError, match="notes.txt"):
+        w.close()
+    assert (dst / "notes.txt").read_text() == "mine" and json.loads((dst / "config.json").read_text()) == {"n": 1}
+    assert sorted(os.listdir(tmp_path)) == ["out"]
