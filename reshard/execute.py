@@ -38,7 +38,7 @@ from typing import Collection, MutableMapping
 import torch
 
 from .agreement import agree, verdict_of
-from .errors import MemoryBudgetError
+from .errors import CoverageError, MemoryBudgetError
 from .layout import DTYPES
 from .plan import STAGED, Transfer, TransferPlan
 from .staged import StagedLoadPlanner, StagedReader, check_staged, load_staged, run_load, save_staged, staged_transfers
@@ -128,12 +128,17 @@ def reshard_staged(
     checksums: bool = False,
     release_sources: bool = False,
     timeout: float = 300.0,
-    version: int = 0,
+    version: int | None = None,
 ) -> StreamResult:
     """The whole transition through a staged checkpoint at ``path`` (every group rank).
 
     ``live``: ranks whose source buffers may be staged (default: the group's ranks);
-    boxes no live rank holds must already be in ``path`` at ``version``. With
+    boxes no live rank holds must already be in ``path`` at ``version``, the version of
+    the state the live ranks hold (``save_staged``). ``version=None`` means 0 when every
+    box has a live holder (all are rewritten, nothing old is read); when some box has
+    none, it is refused on every rank before any byte moves (a CoverageError naming the
+    boxes): under a default the live ranks' fresh boxes would be read beside whatever an
+    earlier state left at that version, silently mixed. With
     ``release_sources`` this rank's source buffers are popped from ``src_buffers`` once
     every box is staged and verified; otherwise local regions are copied in memory and
     sources stay intact. Both agreements run under one ``timeout``.
@@ -141,8 +146,22 @@ def reshard_staged(
     members = group_ranks(group)
     live = set(members) if live is None else set(live)
     transport, deadline = transport_for(group), Deadline(timeout)
-    verdict = verdict_of(lambda: save_staged(path, plan.src_layouts, src_buffers, rank=rank, live=live,
-                                             checksums=checksums, version=version))
+    holderless = _holderless_boxes(plan, live)
+    if version is None and not holderless:
+        version = 0
+
+    def stage() -> None:
+        if version is None:
+            shown = ", ".join(f"{n!r} at {list(o)}" for n, o in holderless[:3])
+            raise CoverageError(
+                f"{len(holderless)} source box(es) ({shown}{', ...' if len(holderless) > 3 else ''}) have no live holder "
+                f"and would be read from the staged checkpoint {path!r}, but no version was given: pass the version they "
+                "were staged at (reshard_staged(version=), reshard(staged_version=)), so that boxes an earlier state "
+                "left there are refused instead of mixed with the live ranks' fresh ones"
+            )
+        save_staged(path, plan.src_layouts, src_buffers, rank=rank, live=live, checksums=checksums, version=version)
+
+    verdict = verdict_of(stage)
     # also the barrier: all boxes are staged
     agree(verdict, group=group, members=members, transport=transport, deadline=deadline)
     wanted = [t for t in plan.transfers if t.dst_rank == rank]
@@ -165,6 +184,16 @@ def reshard_staged(
     if dst_buffers is not None:
         dst_buffers.update(out)
     return out
+
+
+def _holderless_boxes(plan: TransferPlan, live: Collection[int]) -> list[tuple[str, tuple]]:
+    """The non-empty source boxes no ``live`` rank holds, as (tensor, offsets) (pure)."""
+    return [
+        (name, tuple(offsets))
+        for name, layout in sorted(plan.src_layouts.items())
+        for (offsets, lengths), holders in layout.unique_boxes().items()
+        if math.prod(lengths) and not any(s.rank in live for s in holders)
+    ]
 
 
 def plan_or_stage(plan: TransferPlan, *, budget=None, release_sources: bool = False, **graph_kwargs):
@@ -192,17 +221,22 @@ def reshard(
     checksums: bool = False,
     release_sources: bool = False,
     timeout: float = 300.0,
+    staged_version: int | None = None,
 ) -> StreamResult:
     """Stream under ``budget`` when a schedule fits, else go through ``staged_path``.
 
     ``result.stats.rounds == 0`` and ``bytes_staged > 0`` tell the caller the staged path
     ran. Without a staged path an infeasible budget re-raises the MemoryBudgetError.
+    ``staged_version``: the version of the state being moved, as staged at ``staged_path``
+    (``execute``'s ``staged_version``, ``reshard_staged``'s ``version``). The staged
+    fallback needs it whenever some source box has no live holder (see
+    :func:`reshard_staged`); the stream path then reads the newest staged version.
     """
     graph = plan_or_stage(plan, budget=budget, release_sources=release_sources)
     if graph is not None:
         return execute(
             plan, graph, src_buffers, rank=rank, group=group, dst_buffers=dst_buffers, staged_path=staged_path,
-            checksums=checksums, release_sources=release_sources, timeout=timeout,
+            checksums=checksums, release_sources=release_sources, timeout=timeout, staged_version=staged_version,
         )
     if staged_path is None:
         raise MemoryBudgetError(
@@ -210,7 +244,7 @@ def reshard(
         )
     return reshard_staged(
         plan, src_buffers, rank=rank, path=staged_path, group=group, dst_buffers=dst_buffers,
-        checksums=checksums, release_sources=release_sources, timeout=timeout,
+        checksums=checksums, release_sources=release_sources, timeout=timeout, version=staged_version,
     )
 
 
