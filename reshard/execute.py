@@ -129,8 +129,14 @@ def reshard_staged(
     release_sources: bool = False,
     timeout: float = 300.0,
     version: int | None = None,
+    device=None,
+    transport=None,
 ) -> StreamResult:
     """The whole transition through a staged checkpoint at ``path`` (every group rank).
+
+    Targets are allocated where the stream path would put them: on the device of the
+    group's transport (``cuda:<current>`` on NCCL), never on the CPU by default;
+    ``device``/``transport`` as for :func:`~nereus.reshard.stream.execute_stream`.
 
     ``live``: ranks whose source buffers may be staged (default: the group's ranks);
     boxes no live rank holds must already be in ``path`` at ``version``, the version of
@@ -145,7 +151,8 @@ def reshard_staged(
     """
     members = group_ranks(group)
     live = set(members) if live is None else set(live)
-    transport, deadline = transport_for(group), Deadline(timeout)
+    transport = transport if transport is not None else transport_for(group, device)
+    deadline = Deadline(timeout)
     holderless = _holderless_boxes(plan, live)
     if version is None and not holderless:
         version = 0
@@ -176,7 +183,7 @@ def reshard_staged(
     out.stats = StreamStats()
     for name, spec in plan.dst_buffers.get(rank, {}).items():
         if name not in out:
-            out[name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+            out[name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=transport.device)
     for t in local:
         t.dst_view(out).copy_(t.src_view(src_buffers))
         out.stats.bytes_copied += t.nbytes

@@ -300,6 +300,15 @@ def _fallback_versions(rank: int, world: int, root: str) -> dict:
             out[name] = ("ok", mismatches(res, plan.layouts.values(), 0, seed=seed), res.stats.rounds)
         except Exception as e:  # noqa: BLE001 - the parent asserts on class and message
             out[name] = (type(e).__name__, str(e))
+    # the fallback's targets go where the group's transport puts tensors (NCCL: the GPU),
+    # not to the CPU: a transport on the meta device stands for a device here
+    from nereus.reshard.execute import reshard_staged
+    from nereus.reshard.transport import Transport
+
+    elsewhere = Transport(device=torch.device("meta"), coalesced=False, enforces_timeout=True, name="gloo")
+    src = reference_state(full.src_layouts.values(), 0, seed=1)
+    res = reshard_staged(plan, src, rank=0, path=f"{root}/the-same-state", version=3, transport=elsewhere)
+    out["devices"] = sorted({str(t.device) for t in res.values()})
     return out
 
 
@@ -313,3 +322,4 @@ def test_the_staged_fallback_never_mixes_a_gone_ranks_old_boxes_with_fresh_ones(
     cls, msg = out["a newer state"]
     assert cls == "CoverageError" and "missing at version 4" in msg and "version(s) [3]" in msg, out["a newer state"]
     assert out["the same state"] == ("ok", [], 0), out["the same state"]  # rounds == 0: the staged path ran
+    assert out["devices"] == ["meta"], out["devices"]
