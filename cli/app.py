@@ -53,6 +53,12 @@ app.command()(inspect)
 from nereus.cli.configs import configs  # noqa: E402
 
 app.command()(configs)
+from nereus.cli.plan import plan  # noqa: E402
+
+app.command()(plan)
+from nereus.cli.report import report  # noqa: E402
+
+app.command()(report)
 
 
 def main() -> None:

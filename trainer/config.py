@@ -85,6 +85,8 @@ class TaskConfig:
     name: Literal["repeat", "count"] = "repeat"  # see trainer/tasks.py
     digits: int = 3  # digits in the prompt
     response_len: int = 6  # answer digits before <eos>
+    grow_to: int | None = None  # a length curriculum: the answer grows to this many digits ...
+    grow_steps: int = 0  # ... linearly over this many steps (trainer/tasks.py task_at_step)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,6 +208,22 @@ class PlanConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ControllerConfig:
+    """The live controller (``trainer/controller/``): replans while the job runs."""
+
+    enabled: bool = False
+    drift: float = 0.3  # relative change of a watched signal that triggers a replan
+    gamma: float = 0.5  # the paper's γ: a transition must pay back within γ · H steps
+    hysteresis: int = 8  # steps during which a plan just left is not re-entered
+    calibrate: bool = True  # False: the device profile's priors only (reproducible decisions)
+    stages: tuple[str, ...] | None = None  # the model-stages it may move (None: all); the others keep their plan
+    max_tp: int | None = None  # search space limits (None: what the world and the model allow)
+    max_pp: int | None = None
+    lookahead: int = 8  # a new plan must fit the workload extrapolated this many steps ahead
+    verify: bool = False  # gather and compare the moved state of every transition (small models: tests)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
     seed: int = 0
     algorithm: Literal["ppo", "grpo"] = "ppo"
@@ -214,7 +232,7 @@ class JobConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where model-stages run; see resolve_device
     run_dir: str = "runs/default"
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
-    device_memory_gib: float | None = None  # per-rank budget the plan must fit (trainer/memory.py); None: no check
+    device_memory_gib: float | None = None  # per-rank budget the plan must fit (trainer/controller/memory.py); None: no check
     model: ModelConfig = field(default_factory=ModelConfig)
     critic: ModelConfig | None = None  # None: the actor's shapes, with a value head
     reward_model: ModelConfig | None = None  # None: the task's rule reward
@@ -222,7 +240,9 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    plan: PlanConfig
+    device_profile: str = "cpu"  # a shipped profile (cpu, a100, h100, h200, mi250x) or a YAML path: trainer/controller/profiles.py
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    plan: PlanConfig  # or "auto": the controller's search chooses it at load time
 
     @property
     def critic_model(self) -> ModelConfig:
@@ -412,13 +432,55 @@ def load_config(source: str | os.PathLike | Mapping, overrides: Sequence[str] = 
         if not isinstance(data, dict):
             raise ConfigError(f"{where}a job config must be a mapping at the top level")
     try:
-        cfg = _build(JobConfig, apply_overrides(data, overrides))
+        auto = data.get("plan") == "auto"
+        fixed = [o.partition("=")[0] for o in overrides if o.partition("=")[0].strip().startswith("plan.")]
+        if auto and fixed:
+            raise ConfigError(f"plan is 'auto' (the controller chooses every layout): '{fixed[0].strip()}' needs an explicit plan")
+        data = apply_overrides(data, overrides)
+        auto = auto or data.get("plan") == "auto"
+        if auto:
+            data = {**data, "plan": _seed_plan(data)}
+        cfg = _build(JobConfig, data)
         assert isinstance(cfg, JobConfig)
         cfg = _resolve_vocab(cfg)
+        if auto:
+            validate(cfg, memory=False)
+            cfg = _auto_plan(cfg)
         validate(cfg)
     except ConfigError as e:
         raise ConfigError(f"{where}{e}") from None
     return cfg
+
+
+def _seed_plan(data: Mapping) -> dict:
+    """A one-rank plan of the model-stages a job needs: only so that ``plan: auto`` jobs
+    build and validate before the search replaces it."""
+    one = {"ranks": [0]}
+    algorithm = data.get("algorithm", "ppo")
+    hp = data.get(algorithm) or {}
+    vllm = (data.get("rollout") or {}).get("engine") == "vllm"
+    plan: dict = {"actor": {"train": one, "gen": {"dp": data.get("nproc", 1), "fused": True} if vllm else one}}
+    if algorithm == "ppo":
+        plan["critic"] = {"train": one}
+    if hp.get("kl_coef", 0.01) > 0:
+        plan["ref"] = {"infer": one}
+    if data.get("reward_model") is not None:
+        plan["reward"] = {"infer": one}
+    return plan
+
+
+def _auto_plan(cfg: JobConfig) -> JobConfig:
+    """The controller's best plan for the job's world, before any step (``plan: auto``)."""
+    from .controller.profiles import ProfileError, load_profile
+    from .controller.search import search
+    from .controller.workload import Workload
+
+    try:
+        profile = load_profile(cfg.device_profile)
+    except ProfileError as e:
+        raise ConfigError(f"config key 'device_profile': {e}") from None
+    best = search(cfg, Workload.from_config(cfg), profile).best
+    return dataclasses.replace(cfg, plan=best.plan)
 
 
 def _resolve_vocab(cfg: JobConfig) -> JobConfig:
@@ -435,17 +497,52 @@ def _resolve_vocab(cfg: JobConfig) -> JobConfig:
 # --------------------------------------------------------------------------- validation
 
 
-def validate(cfg: JobConfig) -> None:
-    """Raise ConfigError unless the job can run: values in range, plan fits world and models."""
+def validate(cfg: JobConfig, *, memory: bool = True) -> None:
+    """Raise ConfigError unless the job can run: values in range, plan fits world and models
+    (and, with ``memory``, the memory budget)."""
     _check_values(cfg)
     _check_task(cfg)
     _check_plan_stages(cfg)
     for stage, sc in cfg.plan.stages().items():
         _check_stage(cfg, stage, sc)
     _check_rollout_engine(cfg)
-    from .memory import check_memory  # the memory model reads the validated plan
+    _check_controller(cfg)
+    if memory:
+        from .controller.memory import check_memory  # the memory model reads the validated plan
+        from .controller.workload import Workload
 
-    check_memory(cfg)
+        # the widest batch the job runs (prompt + max_new_tokens: the trainer trims the rest);
+        # with the controller, the first step's: it moves the plan as the answers grow
+        check_memory(cfg, seq=Workload.from_config(cfg, step=0 if cfg.controller.enabled else None).width)
+
+
+def _check_controller(cfg: JobConfig) -> None:
+    c = cfg.controller
+    for key, ok, want in (("controller.drift", c.drift > 0, "> 0"), ("controller.gamma", c.gamma >= 0, ">= 0"),
+                          ("controller.hysteresis", c.hysteresis >= 0, ">= 0"), ("controller.lookahead", c.lookahead >= 1, ">= 1")):
+        if not ok:
+            raise ConfigError(f"config key '{key}' must be {want}, got {_get(cfg, key)!r}")
+    known = {"actor.train", "actor.gen", "critic.train", "critic.infer", "ref.infer", "reward.infer"}
+    for stage in c.stages or ():
+        if stage not in known:
+            close = difflib.get_close_matches(stage, sorted(known), n=1)
+            raise ConfigError(f"config key 'controller.stages': unknown model-stage {stage!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    for key in ("max_tp", "max_pp"):
+        value = getattr(c, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"config key 'controller.{key}' must be >= 1, got {value}")
+    if c.enabled and cfg.rollout.engine == "vllm":
+        raise ConfigError(
+            "controller.enabled with rollout.engine: vllm: vLLM's engine keeps the layout it started with, so the "
+            "controller could not move actor.gen; set controller.enabled: false (plan: auto still chooses the first plan)"
+        )
+    if c.enabled or cfg.device_profile != "cpu":
+        from .controller.profiles import ProfileError, load_profile
+
+        try:
+            load_profile(cfg.device_profile)
+        except ProfileError as e:
+            raise ConfigError(f"config key 'device_profile': {e}") from None
 
 
 def _check_values(cfg: JobConfig) -> None:
@@ -500,8 +597,12 @@ def _get(cfg: object, key: str) -> object:
 
 
 def _task(cfg: JobConfig) -> Task:
+    """The task at its longest (the end of a length curriculum)."""
+    t = cfg.task
+    if t.grow_to is not None and (t.grow_to < 1 or t.grow_steps < 0):
+        raise ConfigError(f"config section 'task': grow_to={t.grow_to} must be >= 1 and grow_steps={t.grow_steps} >= 0")
     try:
-        return make_task(cfg.task.name, digits=cfg.task.digits, response_len=cfg.task.response_len)
+        return make_task(t.name, digits=t.digits, response_len=max(t.response_len, t.grow_to or 0))
     except ValueError as e:
         raise ConfigError(f"config section 'task': {e}") from None
 

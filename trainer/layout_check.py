@@ -34,7 +34,7 @@ from nereus.reshard.gather import gather_full
 from .config import JobConfig, config_to_dict, load_config
 from .metrics import flatten, peak_memory_bytes
 
-TIMING_KEYS = ("stage_seconds", "step_seconds", "tokens_per_s", "peak_memory_bytes", "peak_device_memory_bytes")
+TIMING_KEYS = ("stage_seconds", "step_seconds", "tokens_per_s", "peak_memory_bytes", "peak_device_memory_bytes", "stages", "syncs")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

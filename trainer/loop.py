@@ -36,6 +36,7 @@ from the last good step and a failed step (NaN loss) never touches it.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, replace
@@ -52,10 +53,11 @@ from nereus.reshard.stream import StagingArena
 
 from . import grpo, ppo
 from .advantages import kl_k1, masked_mean, minibatch_indices
-from .config import JobConfig, resolve_device
+from .config import JobConfig, config_to_dict, resolve_device
 from .generate import generate
 from .model import ModelArgs
 from .metrics import MetricsLog, peak_memory
+from .observe import StageMeter, release_freed_memory, rss_bytes, trim_heap
 from .parallel import init_stage, init_tensor, load_full
 from .stages import (
     ModelStage, backward_minibatch, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values,
@@ -81,17 +83,18 @@ class WeightSync:
         # allocator already reuses blocks, and a kept buffer would sit through training.
         self.staging = StagingArena("cpu")
 
-    def __call__(self) -> None:
-        """Stream the weights. A reshard past its deadline leaves the process group unusable
-        (ops may be pending: ``reshard.errors.TransitionTimeout``); that is raised as a
-        RuntimeError telling the job to restart its workers on a fresh group, never retried
-        on the broken one."""
+    def __call__(self):
+        """Stream the weights; returns this rank's ``StreamResult`` (its ``.stats``).
+
+        A reshard past its deadline leaves the process group unusable (ops may be pending:
+        ``reshard.errors.TransitionTimeout``); that is raised as a RuntimeError telling the
+        job to restart its workers on a fresh group, never retried on the broken one."""
         from nereus.reshard.errors import TransitionTimeout
 
         rank, src, dst = dist.get_rank(), self.src.param_buffers(), self.dst.param_buffers()
         on_host = all(t.device.type == "cpu" for t in (*src.values(), *dst.values()))
         try:
-            execute(self.plan, self.graph, src, rank=rank, dst_buffers=dst, staging=self.staging if on_host else None)
+            return execute(self.plan, self.graph, src, rank=rank, dst_buffers=dst, staging=self.staging if on_host else None)
         except TransitionTimeout as e:
             raise RuntimeError(
                 f"weight sync {self.src.key} -> {self.dst.key} timed out: {e}. The process group cannot be reused: "
@@ -104,6 +107,7 @@ class Trainer:
     ``worker_device(cfg)``) is where every model-stage lives."""
 
     def __init__(self, cfg: JobConfig, device: torch.device | str | None = None) -> None:
+        baseline = rss_bytes()  # before any model exists: what a CPU stage's peak is measured above
         self.cfg, self.rank = cfg, dist.get_rank()
         self.device = worker_device(cfg) if device is None else torch.device(device)
         self.task: Task = build_task(cfg.task)
@@ -120,40 +124,162 @@ class Trainer:
                 else:  # the actor's and reference's LM, or a critic:/reward_model: value checkpoint
                     load_hf(stage, model.path)
             if key.endswith(".train"):
-                make_optimizer(stage, cfg.ppo.critic_lr if key == "critic.train" else hp.lr)
-        self.syncs = [WeightSync(src=self.stages["actor.train"], dst=self.stages["actor.gen"])]
-        if "critic.infer" in self.stages:
-            self.syncs.append(WeightSync(src=self.stages["critic.train"], dst=self.stages["critic.infer"]))
+                make_optimizer(stage, self._lr(key))
+        self.syncs = self._plan_syncs()
         one_update = hp.epochs == 1 and hp.minibatch_size >= cfg.batch_size
         self.on_policy = one_update and (cfg.algorithm == "grpo" or not cfg.ppo.kl_in_reward)
         self.step = 0
+        self.meter = StageMeter(self.device, baseline)
+        self.extra_state: dict = {}  # JSON-able state saved with every checkpoint (the controller's)
+        self.restored_state: dict = {}
+
+    def _lr(self, key: str) -> float:
+        hp = self.cfg.ppo if self.cfg.algorithm == "ppo" else self.cfg.grpo
+        return self.cfg.ppo.critic_lr if key == "critic.train" else hp.lr
+
+    def _plan_syncs(self) -> list[WeightSync]:
+        syncs = [WeightSync(src=self.stages["actor.train"], dst=self.stages["actor.gen"])]
+        if "critic.infer" in self.stages:
+            syncs.append(WeightSync(src=self.stages["critic.train"], dst=self.stages["critic.infer"]))
+        return syncs
+
+    # ------------------------------------------------------------------ plan transitions
+
+    def apply_plan(self, plan, *, verify: bool = False) -> dict:
+        """Move the job to ``plan`` between steps, on every rank (collective; every rank calls
+        it with the same plan). The model-stages whose layout changes are built anew (groups,
+        modules on meta, parallelize) and their state — weights, and AdamW state of a
+        training stage — streams from the old layout to the new one through reshard, exact;
+        then the weight syncs are re-planned and the old layout's process groups destroyed.
+
+        All or nothing: a rank that fails to build its part tells the others (one all-reduce
+        before any state moves), and every rank keeps the old plan; reshard refuses on every
+        rank together. With ``verify`` the moved state is gathered on rank 0 and compared with
+        the old, element for element, before the new stages take over (a mismatch keeps the
+        old plan). Either way the old stages are untouched and the error is raised.
+        Returns ``{"stages": [...], "rebuilt": [...], "bytes": cross-rank bytes, "seconds": s,
+        "verified": n, "peak_bytes": b}`` (``rebuilt``: the stages built anew, the others only
+        retuned their micro-batch size; ``verified``: tensors compared, 0 without ``verify``;
+        ``peak_bytes``: this rank's measured peak while building and moving, verification
+        excluded — it gathers whole tensors on rank 0)."""
+        from .controller.transition import changed_stages, rebuilt_stages
+        from .parallel import release_groups
+        from .stages import stage_process_groups
+
+        t0 = time.perf_counter()
+        new_cfg = replace(self.cfg, plan=plan)
+        changed = rebuilt_stages(self.cfg.plan, plan)
+        retuned = [k for k in changed_stages(self.cfg.plan, plan) if k not in changed]
+
+        def retune() -> None:  # a new micro-batch size: the same modules and state
+            for key in retuned:
+                self.stages[key].settings = plan.stages()[key]
+            self.cfg = new_cfg
+
+        if not changed:
+            retune()
+            return {"stages": retuned, "rebuilt": [], "bytes": 0, "seconds": time.perf_counter() - t0, "verified": 0,
+                    "peak_bytes": 0}
+        if self.device.type == "cpu":
+            trim_heap()  # the peak below is the move's own
+        try:
+            with self.meter("transition"):
+                fresh, moved = self._build_and_move(new_cfg, changed)
+        finally:
+            self.meter.seconds.pop("transition", None)
+            peak = self.meter.peaks.pop("transition", 0)
+        verified = self._verify_moved(changed, fresh) if verify else 0
+        self.stages = {**self.stages, **fresh}
+        retune()
+        self.syncs = self._plan_syncs()
+        release_groups(stage_process_groups(self.stages))
+        return {"stages": changed + retuned, "rebuilt": changed, "bytes": moved, "seconds": time.perf_counter() - t0,
+                "verified": verified, "peak_bytes": peak}
+
+    def _build_and_move(self, new_cfg, changed: list[str]) -> tuple[dict, int]:
+        """Build the ``changed`` stages of ``new_cfg`` and stream their state into them; the
+        fresh stages and the bytes that crossed ranks."""
+        fresh = build_stages(new_cfg, self.rank, self.device, keys=changed)  # groups first: collective, in order
+        error = None
+        try:
+            for key in changed:
+                if key.endswith(".train") and fresh[key].part is not None:
+                    make_optimizer(fresh[key], self._lr(key))
+        except Exception as e:  # noqa: BLE001 - agreed on below, then raised on every rank
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        flag = torch.tensor([0.0 if error is None else 1.0])
+        dist.all_reduce(flag)
+        if flag.item():
+            raise RuntimeError(f"plan transition refused before any state moved: {error or 'another rank failed to build'}")
+        moved = 0
+        for key in changed:
+            old, new = self.stages[key], fresh[key]
+            transfers = plan_transfers(old.emus, new.emus)
+            moved += sum(t.nbytes for t in transfers.transfers if t.src_rank != t.dst_rank)
+            dst = new.buffers() if new.member else {}
+            execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=self.rank, dst_buffers=dst)
+        return fresh, moved
+
+    def _verify_moved(self, keys: list[str], fresh: dict) -> int:
+        """Gather every moved tensor in both layouts on rank 0 and compare them bit for bit;
+        raise on every rank when any differs. Returns how many tensors were compared."""
+        from nereus.reshard.gather import gather_full
+
+        bad, count = [], 0
+        for key in keys:
+            old = gather_full(self.stages[key].emus, self.stages[key].buffers(), self.rank)
+            new = gather_full(fresh[key].emus, fresh[key].buffers(), self.rank)
+            if self.rank == 0:
+                count += len(new)
+                bad += [f"{key}/{n}" for n, t in new.items() if n not in old or not torch.equal(t.view(-1).view(torch.uint8), old[n].view(-1).view(torch.uint8))]
+        verdict = [bad, count]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            raise RuntimeError(f"plan transition refused: {len(verdict[0])} tensors differ after the move, e.g. {verdict[0][:3]}")
+        return verdict[1]
 
     # ------------------------------------------------------------------ one step
 
     def run_step(self) -> dict:
-        cfg, seconds = self.cfg, {}
+        """One step (module docstring); its metrics, with every model-stage's own record
+        (``stages``: seconds, rows, tokens, this rank's peak memory) and the lengths."""
+        cfg, meter, seconds = self.cfg, self.meter, {}
+        if self.device.type == "cpu":
+            trim_heap()  # observe.py: a step's measured peak is its own
         start = time.perf_counter()
+        syncs = {}
         for sync in self.syncs:
-            sync()
-        _synchronize(self.device)  # the sync's copies and sends are asynchronous on CUDA
+            with meter(f"sync.{sync.dst.key}"):
+                result = sync()
+            stats = getattr(result, "stats", None)
+            if stats is not None:
+                syncs[sync.dst.key] = {"bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+                                       "bytes_copied": stats.bytes_copied, "seconds": stats.seconds}
         seconds["sync"] = time.perf_counter() - start
 
         t = time.perf_counter()
-        batch, scores = self._rollout()
+        with meter("actor.gen"):
+            batch, scores = self._rollout()
         seconds["generation"] = time.perf_counter() - t
 
         t = time.perf_counter()
         temp = cfg.rollout.temperature
         reward_model, task_scores = "reward.infer" in self.stages, scores
         if reward_model:
-            scores = infer(self.stages["reward.infer"], batch, "scores")
+            with meter("reward.infer"):
+                scores = infer(self.stages["reward.infer"], batch, "scores")
         if not self.on_policy:
-            batch["old_logprobs"] = infer(self.stages["actor.train"], batch, "logprobs", temp)
+            with meter("actor.train.infer"):  # the old log-probs, by the training layout
+                batch["old_logprobs"] = infer(self.stages["actor.train"], batch, "logprobs", temp)
         if "ref.infer" in self.stages:
-            batch["ref_logprobs"] = infer(self.stages["ref.infer"], batch, "logprobs", temp)
+            with meter("ref.infer"):
+                batch["ref_logprobs"] = infer(self.stages["ref.infer"], batch, "logprobs", temp)
         if cfg.algorithm == "ppo":
-            batch["old_values"] = infer(self.stages.get("critic.infer", self.stages["critic.train"]), batch, "values")
-        advantage_metrics = self._advantages(batch, scores)
+            values = self.stages.get("critic.infer", self.stages["critic.train"])
+            with meter("critic.infer" if values.key == "critic.infer" else "critic.train.infer"):
+                batch["old_values"] = infer(values, batch, "values")
+        with meter("advantages"):
+            advantage_metrics = self._advantages(batch, scores)
         seconds["inference"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -165,31 +291,50 @@ class Trainer:
         kl = masked_mean(kl_k1(old, batch["ref_logprobs"]), mask) if "ref_logprobs" in batch else torch.zeros(())
         total = time.perf_counter() - start
         self.step += 1
+        lengths = mask.sum(1)
         return {
             "step": self.step,
             "reward_mean": float(scores.mean()),
             **({"task_reward_mean": float(task_scores.mean())} if reward_model else {}),
             "kl": float(kl),
-            "response_length": float(mask.sum(1).float().mean()),
+            "response_length": float(lengths.float().mean()),
             **train_metrics,
             **advantage_metrics,
             "stage_seconds": seconds,
             "step_seconds": total,
             "tokens_per_s": float(mask.sum()) / total,
+            "lengths": _length_summary(batch),
+            "stages": self._stage_records(batch, *meter.take()),
+            "syncs": syncs,
+            "plan": plan_label(cfg.plan),
             **peak_memory(self.device),
         }
 
+    def _stage_records(self, batch: dict, seconds: dict[str, float], peaks: dict[str, int]) -> dict[str, dict]:
+        """Per measured piece: seconds (this rank's), rows and tokens it processed, and this
+        rank's measured peak bytes (``peak_bytes``; gathered over ranks by ``run_worker``)."""
+        rows, width = batch["input_ids"].shape
+        hp = self.cfg.ppo if self.cfg.algorithm == "ppo" else self.cfg.grpo
+        out = {}
+        for name, s in seconds.items():
+            n = rows * (hp.epochs if name in ("actor.train", "critic.train") else 1)
+            out[name] = {"seconds": s, "rows": n, "tokens": n * width, "peak_bytes": peaks.get(name, 0)}
+        return out
+
     def _rollout(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         cfg, gen = self.cfg, self.stages["actor.gen"]
+        task = build_task(cfg.task, self.step) if cfg.task.grow_to is not None else self.task  # a length curriculum
         g = torch.Generator().manual_seed(_seed(cfg.seed, self.step, 0))
-        prompts = self.task.sample_prompts(cfg.rollout.prompts_per_step, g)
+        prompts = task.sample_prompts(cfg.rollout.prompts_per_step, g)
         prompts = [p for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
         b, local = len(prompts), None
         if gen.member:
             lo, hi = gen.rows(b)
             seed = _seed(cfg.seed, self.step, 1 + gen.coords()[0])
+            # under a length curriculum the rollout is capped at the step's answer length too
+            cap = cfg.rollout.max_new_tokens if cfg.task.grow_to is None else min(cfg.rollout.max_new_tokens, task.max_answer_len)
             sampling = dict(
-                max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                max_new_tokens=cap, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                 stop_tokens=() if cfg.rollout.ignore_eos else (self.task.eos_id,), pad_id=self.task.pad_id,
             )
             if gen.engine is not None:
@@ -201,8 +346,13 @@ class Trainer:
             local = _padded(out, cfg.rollout.max_new_tokens, self.task.pad_id)
         rows = gather_rows(gen, local, b)
         p = rows["tokens"].shape[1] - cfg.rollout.max_new_tokens
+        # The batch is as wide as its longest response: columns no response reached are padding
+        # for every row, so dropping them changes no result, and time and memory follow lengths.
+        n = max(1, int(rows["response_mask"].sum(1).max()))
+        rows = {**rows, "tokens": rows["tokens"][:, : p + n], "attention_mask": rows["attention_mask"][:, : p + n],
+                "response_mask": rows["response_mask"][:, :n], "logprobs": rows["logprobs"][:, :n]}
         responses = [r[m].tolist() for r, m in zip(rows["tokens"][:, p:], rows["response_mask"])]
-        scores = torch.tensor([self.task.reward(q, r) for q, r in zip(prompts, responses)], dtype=torch.float32)
+        scores = torch.tensor([task.reward(q, r) for q, r in zip(prompts, responses)], dtype=torch.float32)
         batch = {
             "input_ids": rows["tokens"],
             "attention_mask": rows["attention_mask"],
@@ -263,16 +413,22 @@ class Trainer:
         for k, idx in enumerate(minibatches):
             mb = {key: v[idx] for key, v in batch.items()}
             mb["loss_weights"] = ppo.loss_weights(mb["response_mask"], hp.loss_agg, max_length=cfg.rollout.max_new_tokens)
-            done = {name: backward_minibatch(stage, mb, fn, clip) for name, stage, fn, clip in models}
-            self._check_finite(done, k, len(minibatches))
+            done = {}
+            for name, stage, fn, clip in models:
+                with self.meter(stage.key):
+                    done[name] = backward_minibatch(stage, mb, fn, clip)
+            with self.meter("train.check"):
+                self._check_finite(done, k, len(minibatches))
             for name, stage, *_ in models:
                 if done[name] is None:
                     continue
-                stage.optimizer.step()
+                with self.meter(stage.key):
+                    stage.optimizer.step()
                 norms[name].append(float(done[name].grad_norm))
                 if done[name].sums is not None:
                     sums[name] = done[name].sums if name not in sums else sums[name] + done[name].sums
-        return _finish_metrics(sums, norms, len(minibatches))
+        with self.meter("train.check"):
+            return _finish_metrics(sums, norms, len(minibatches))
 
     def _check_finite(self, done: dict, k: int, minibatches: int) -> None:
         """Raise FloatingPointError on every rank, before any optimizer of this mini-batch
@@ -319,9 +475,9 @@ class Trainer:
             configs[model] = one_dtype({**original, **s.args.to_hf_config()}, dtype)  # the masters' dtype
             if source.path and self.rank == 0:
                 files.update({f"hf/{model}/{name}": data for name, data in side_files(source.path).items()})
-        state = {"step": self.step, "hf_configs": configs}
+        state = {"step": self.step, **self.extra_state, "hf_configs": configs}
         save_checkpoint(self.checkpoint_root(), self.step, emus, buffers, rank=self.rank, state=state, files=files,
-                        keep=KEEP_CHECKPOINTS)
+                        plan=config_to_dict(self.cfg.plan), keep=KEEP_CHECKPOINTS)  # --resume restarts in this plan
 
     def restore(self) -> int:
         """Load the latest committed checkpoint into this rank's layouts; returns its step."""
@@ -333,6 +489,7 @@ class Trainer:
         buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
         manifest, _ = load_checkpoint(self.checkpoint_root(), emus, self.rank, buffers)
         self.step = manifest.step
+        self.restored_state = dict(manifest.state or {})
         if self.rank == 0:  # this job owns the root and is not saving: unfinished saves of its last run go
             CheckpointStore(self.checkpoint_root()).clean_orphans(older_than=0)
         return self.step
@@ -368,6 +525,28 @@ def check_forward_settings(args: ModelArgs, config: dict, path: str) -> None:
         ours, theirs = getattr(args, key), getattr(hf, key)
         if ours != theirs:
             raise ValueError(f"model.{key} is {ours!r}, but {path}/config.json has {theirs!r}: set it to match")
+
+
+def _length_summary(batch: dict) -> dict:
+    """The step's prompt width and response length distribution."""
+    lengths = batch["response_mask"].sum(1).float()
+    q = torch.quantile(lengths, torch.tensor([0.5, 0.9]))
+    return {"prompt": int(batch["prompt_width"][0]), "response_min": float(lengths.min()), "response_mean": float(lengths.mean()),
+            "response_p50": float(q[0]), "response_p90": float(q[1]), "response_max": float(lengths.max()),
+            "width": int(batch["input_ids"].shape[1])}
+
+
+def plan_label(plan) -> dict[str, str]:
+    """Model-stage -> its layout in one word (``dp2·tp2``, ``dp4 fsdp mb16``), for logs."""
+    out = {}
+    for key, sc in plan.stages().items():
+        parts = [f"{k}{getattr(sc, k)}" for k in ("dp", "tp", "pp") if getattr(sc, k) > 1] or ["dp1"]
+        parts += ["fsdp"] if sc.dp_shard and sc.dp > 1 else []
+        parts += [f"mb{sc.micro_batch_size}"] if sc.micro_batch_size else []
+        parts += ["fused"] if sc.fused else []
+        parts += [f"ranks{list(sc.ranks)}"] if sc.ranks is not None else []
+        out[key] = "·".join(parts)
+    return out
 
 
 def _padded(out, width: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -443,30 +622,41 @@ def _synchronize(device: torch.device) -> None:
 def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
     """One rank of ``nereus train`` (the process group is initialised from the environment).
 
-    Returns the last step's metrics, or ``{"error": message}`` on every rank when the job
-    stopped on a non-finite loss (the last committed checkpoint is left as it was).
+    With ``--resume`` the job restarts in the plan of its latest checkpoint (a controller may
+    have changed it). With ``controller.enabled`` rank 0 observes every step and decides
+    before the next; an admitted plan is broadcast and every rank moves to it
+    (``Trainer.apply_plan``) before the step's checkpoint, so a checkpoint always holds the
+    plan it was saved in. Returns the last step's metrics, or ``{"error": message}`` on every
+    rank when the job stopped on a non-finite loss (the last committed checkpoint is left as
+    it was).
     """
     device = worker_device(cfg)
     join_process_group(device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
     torch.manual_seed(cfg.seed)
     try:
+        if resume:
+            cfg = resumed_plan(cfg)
         trainer = Trainer(cfg, device)
         try:
             first = trainer.restore() if resume else 0
         except FileNotFoundError as e:  # every rank sees the same store
             return {"error": str(e)}
-        log = MetricsLog(cfg.run_dir, total=cfg.steps, first_step=first) if trainer.rank == 0 else None
+        rank0 = trainer.rank == 0
+        log = MetricsLog(cfg.run_dir, total=cfg.steps, first_step=first) if rank0 else None
+        if rank0:  # the resolved config (``nereus report`` reads the budget from it)
+            with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
+                json.dump(config_to_dict(cfg), f, indent=1)
+        control = JobControl(trainer, first) if cfg.controller.enabled else None
         last: dict = {}
         try:
             while trainer.step < cfg.steps:
-                metrics = trainer.run_step()
-                for key in ("peak_memory_bytes", "peak_device_memory_bytes"):
-                    if key in metrics:  # the same keys on every rank: one device type per job
-                        metrics[key] = _gather_peaks(metrics[key])
+                metrics = gather_rank_figures(trainer.run_step())
                 if log:
                     log.write(metrics)
                 last = metrics
+                if control is not None and trainer.step < cfg.steps:
+                    control.after_step(metrics)
                 every = cfg.checkpoint_every
                 if (every and trainer.step % every == 0) or trainer.step == cfg.steps:
                     trainer.save()
@@ -480,7 +670,94 @@ def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
         dist.destroy_process_group()
 
 
-def _gather_peaks(mine: int) -> list[int]:
+def resumed_plan(cfg: JobConfig) -> JobConfig:
+    """``cfg`` in the plan its latest committed checkpoint was saved in (every rank reads the
+    same store); the config's own plan when the checkpoint names none."""
+    from nereus.store.checkpoint import CheckpointStore
+
+    from .config import PlanConfig, _build, validate
+
+    store = CheckpointStore(os.path.join(cfg.run_dir, "checkpoints"))
+    if not store.steps():
+        return cfg
+    saved = store.manifest().plan
+    if not saved:
+        return cfg
+    plan = _build(PlanConfig, saved, "plan.")
+    resumed = replace(cfg, plan=plan)
+    validate(resumed)
+    return resumed
+
+
+class JobControl:
+    """The controller's seam in the step loop, on every rank: rank 0 observes and decides,
+    every rank applies the decision it broadcasts (module docstring of ``controller``)."""
+
+    def __init__(self, trainer: Trainer, first_step: int) -> None:
+        from .controller.online import Controller, ControllerSettings
+        from .controller.profiles import load_profile
+
+        self.trainer = trainer
+        c = trainer.cfg.controller
+        settings = ControllerSettings(drift=c.drift, gamma=c.gamma, hysteresis=c.hysteresis, calibrate=c.calibrate,
+                                      lookahead=c.lookahead)
+        self.controller = None
+        if trainer.rank == 0:
+            self.controller = Controller(trainer.cfg, load_profile(trainer.cfg.device_profile), settings,
+                                         run_dir=trainer.cfg.run_dir, first_step=first_step)
+            self.controller.load_state(trainer.restored_state.get("controller", {}))
+        trainer.extra_state["controller"] = {}
+
+    def after_step(self, metrics: dict) -> None:
+        trainer, decision = self.trainer, None
+        if self.controller is not None:
+            try:
+                self.controller.observe(trainer.cfg, metrics)
+                decision = self.controller.decide(trainer.cfg, metrics)
+            except Exception as e:  # noqa: BLE001 - a controller failure never stops the job: the plan stays
+                self.controller.failed(int(metrics["step"]), e)
+        message = [decision.new_plan if decision is not None and decision.admitted else None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is not None:
+            from .config import PlanConfig, _build
+
+            try:
+                done = trainer.apply_plan(_build(PlanConfig, message[0], "plan."), verify=trainer.cfg.controller.verify)
+                peak = torch.tensor([float(done["peak_bytes"])])
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                done["peak_bytes"] = int(peak.item())  # the most any rank held while both layouts lived
+            except Exception as e:  # noqa: BLE001 - the old plan keeps running (apply_plan is all or nothing)
+                done = {"error": f"{type(e).__name__}: {e}"}
+            release_freed_memory(trainer.device)
+            if self.controller is not None:
+                self.controller.transitioned(decision, done)
+        if self.controller is not None:
+            trainer.extra_state["controller"] = self.controller.state_dict()
+
+
+WAITING_PIECES = ("train.check", "advantages")
+"""Pieces every rank runs, ending in a world collective: ranks that finished their model-stages
+early wait in them, so the rank that waited least gives their own cost (``min``)."""
+
+
+def gather_rank_figures(metrics: dict) -> dict:
+    """``metrics`` with every rank's figures, as lists indexed by rank: the process's peak
+    memory (``peak_memory_bytes``, and ``peak_device_memory_bytes`` on CUDA), and each measured
+    piece's peak bytes and seconds (``stages[name]["peak_bytes"]``, ``["rank_seconds"]``; its
+    ``seconds`` become the slowest rank's: a stage takes as long as its slowest member, and
+    ranks outside it wait for it in the next collective — except ``WAITING_PIECES``, which
+    take the least). One object collective on every rank."""
+    keys = [k for k in ("peak_memory_bytes", "peak_device_memory_bytes") if k in metrics]
+    stages = metrics["stages"]
+    mine = ({k: metrics[k] for k in keys}, {name: (r["peak_bytes"], r["seconds"]) for name, r in stages.items()})
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
-    return out
+    metrics = {**metrics, **{k: [o[0][k] for o in out] for k in keys}}
+    pick = {name: min if name in WAITING_PIECES else max for name in stages}
+    metrics["stages"] = {
+        name: {**r, "seconds": pick[name](o[1].get(name, (0, 0.0))[1] for o in out),  # the slowest rank: the stage's time
+               "rank_seconds": [o[1].get(name, (0, 0.0))[1] for o in out],
+               "peak_bytes": [o[1].get(name, (0, 0.0))[0] for o in out]}
+        for name, r in stages.items()
+    }
+    return metrics

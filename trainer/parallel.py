@@ -115,11 +115,25 @@ def forget_groups() -> None:
     _GROUPS.clear()
 
 
-def _group(ranks: GroupRanks) -> dist.ProcessGroup:
+def cached_group(ranks: GroupRanks) -> dist.ProcessGroup:
     """The cached group over ``ranks`` in this order (collective over the world if new)."""
     if ranks not in _GROUPS:
         _GROUPS[ranks] = dist.new_group(list(ranks), sort_ranks=False)
     return _GROUPS[ranks]
+
+
+
+def release_groups(in_use: Iterable[dist.ProcessGroup]) -> int:
+    """Destroy every cached group not in ``in_use`` (after a plan transition: the old
+    layout's groups). Every rank calls it with the same stages, so every rank destroys the
+    same groups in the same (sorted) order. Returns how many were destroyed."""
+    keep = {id(g) for g in in_use}
+    gone = [ranks for ranks, g in sorted(_GROUPS.items()) if id(g) not in keep]
+    for ranks in gone:
+        group = _GROUPS.pop(ranks)
+        if dist.get_rank() in ranks:
+            dist.destroy_process_group(group)
+    return len(gone)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,7 +170,7 @@ def stage_groups(config: ParallelConfig, spec: DecoderSpec, rank: int | None = N
     """
     rank = dist.get_rank() if rank is None else rank
     planned = plan_groups(config, spec)
-    made = {kind: [_group(r) for r in ranks] for kind, ranks in planned.items()}
+    made = {kind: [cached_group(r) for r in ranks] for kind, ranks in planned.items()}
     if rank not in config.ranks:
         return None
     i = config.ranks.index(rank)

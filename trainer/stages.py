@@ -23,20 +23,19 @@ onto the sender's GPU index on every rank).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from nereus.reshard.derive import derive_emus
 from nereus.reshard.layout import EMU, ParallelConfig
 
-from .config import JobConfig, StageConfig, decoder_spec
+from .config import JobConfig, StageConfig
 from .ppo import LossSums
-from .model import Llama3RopeScaling, ModelArgs
-from .parallel import StagePart, build_stage, optimizer_buffers, stage_buffers, stage_grads, stage_groups
+from .stage_args import model_args
+from .model import ModelArgs
+from .parallel import StagePart, build_stage, cached_group, optimizer_buffers, stage_buffers, stage_grads, stage_groups
 from .pipeline import forward, forward_backward
 from .vllm_engine import VLLMEngine, vllm_emus
 from .vocab_parallel import VocabShard, token_logprobs
@@ -103,28 +102,14 @@ class ModelStage:
         return self.member and self.coords()[1:] == (0, 0)
 
 
-def model_args(cfg: JobConfig, key: str) -> ModelArgs:
-    """The model of a model-stage. Training stages store float32 master weights (and AdamW
-    state; float64 ones in a float64 job) and compute in the model's ``dtype``; other stages
-    store and compute in it."""
-    _, model, head = cfg.stage_model(key)
-    spec = decoder_spec(model, head=head)
-    train = key.endswith(".train")
-    master = "float32" if model.dtype in ("bfloat16", "float16") else model.dtype
-    return ModelArgs(
-        spec=dataclasses.replace(spec, dtype=master) if train else spec,
-        compute_dtype=model.dtype if train else None,
-        rope_theta=model.rope_theta,
-        rope_scaling=None if model.rope_scaling is None else Llama3RopeScaling.from_hf(dataclasses.asdict(model.rope_scaling)),
-        rms_norm_eps=model.rms_norm_eps,
-        max_seq_len=model.max_seq_len,
-    )
-
-
-def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu") -> dict[str, ModelStage]:
-    """Every model-stage of the plan; groups for all, modules (on ``device``) where this rank belongs."""
+def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu", keys=None) -> dict[str, ModelStage]:
+    """Every model-stage of the plan (or those in ``keys``); groups for all, modules (on
+    ``device``, weights uninitialised) where this rank belongs. Collective: every rank calls
+    it with the same plan and keys (``new_group`` is collective over the world)."""
     stages = {}
     for key, sc in cfg.plan.stages().items():
+        if keys is not None and key not in keys:
+            continue
         args = model_args(cfg, key)
         config = sc.parallel_config(cfg.nproc)
         _check_engine(key, sc, cfg.rollout.engine)
@@ -146,17 +131,23 @@ def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu") 
     return stages
 
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
 def _stage_group(config: ParallelConfig) -> dist.ProcessGroup | None:
-    """A group over the config's ranks (collective: every rank calls it for every stage)."""
+    """A group over the config's ranks, sorted (collective: every rank calls it for every
+    stage); from ``parallel``'s one cache of groups."""
     if sorted(config.ranks) == list(range(dist.get_world_size())):
         return None
-    key = tuple(sorted(config.ranks))
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key))
-    return _GROUPS[key]
+    return cached_group(tuple(sorted(config.ranks)))
+
+
+def stage_process_groups(stages: dict[str, ModelStage]) -> list[dist.ProcessGroup]:
+    """Every process group the model-stages use (theirs and their parts' TP/PP/DP/KV/embed)."""
+    out = []
+    for stage in stages.values():
+        out.append(stage.group)
+        if stage.part is not None:
+            g = stage.part.groups
+            out += [g.tp, g.pp, g.dp, g.kv, g.embed]
+    return [g for g in out if g is not None]
 
 
 def _norm_weights(stage: ModelStage, rank: int) -> dict[str, float]:

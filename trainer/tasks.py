@@ -187,9 +187,16 @@ def make_task(name: str, *, digits: int = 3, response_len: int = 6) -> Task:
     raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}")
 
 
-def build_task(cfg: TaskConfig) -> Task:
-    """The task a job config names."""
-    return make_task(cfg.name, digits=cfg.digits, response_len=cfg.response_len)
+def build_task(cfg: TaskConfig, step: int | None = None) -> Task:
+    """The task a job config names; at ``step`` (0-based, None: its longest) under a length
+    curriculum (``grow_to``), whose answers grow linearly from ``response_len`` digits at step 0
+    to ``grow_to`` at step ``grow_steps`` and stay there (the trainer caps each step's rollout
+    at that step's answer length, so the batch widens with the curriculum)."""
+    length = cfg.response_len
+    if cfg.grow_to is not None:
+        done = 1.0 if step is None or cfg.grow_steps <= 0 else min(1.0, step / cfg.grow_steps)
+        length = cfg.response_len + round((cfg.grow_to - cfg.response_len) * done)
+    return make_task(cfg.name, digits=cfg.digits, response_len=length)
 
 
 def chance_reward(task: Task, max_new_tokens: int, *, prompts: int = 4096, seed: int = 0) -> float:

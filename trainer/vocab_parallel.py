@@ -18,7 +18,7 @@ gradients are the same on every TP rank, because the loss after these all-reduce
     ∂ log π(a) / ∂z_v = [v = a] − p_v
     ∂ H / ∂z_v        = −p_v (z_v − E / S)
 
-Memory per call: the float32 logits block and p, both [..., V_t]: what ``trainer/memory.py``
+Memory per call: the float32 logits block and p, both [..., V_t]: what ``trainer/controller/memory.py``
 counts. With ``group=None`` the whole vocabulary is local and no collective runs.
 """
 

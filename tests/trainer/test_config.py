@@ -266,20 +266,20 @@ def test_device_cuda_without_cuda_says_so() -> None:
 
 def test_vllm_share_of_the_device_counts_while_it_generates() -> None:
     """vLLM sleeps outside generation (no resident bytes) and holds its share while running."""
-    from nereus.trainer.memory import GIB, plan_memory
+    from nereus.trainer.controller.memory import GIB, plan_memory
 
     llama = CONFIGS / "llama3_8b_ppo.yaml"
     cfg = load_config(llama)
     gen = [s for s in plan_memory(cfg)[0] if s.stage == "actor.gen"]
     assert [(s.resident, s.transient) for s in gen] == [(0, int(0.5 * 141 * GIB))]
-    with pytest.raises(ConfigError, match=r"on rank 0: needs 16\d\.\d GiB .* largest model-stage there: actor.gen"):
+    with pytest.raises(ConfigError, match=r"on rank 0 at 1029 tokens per row: needs 16\d GiB .* largest model-stage there: actor.gen"):
         load_config(llama, ["rollout.gpu_memory_utilization=0.95"])
 
 
 def test_value_heads_hold_no_vocabulary_logits() -> None:
     """tiny_ppo's critic.infer and ref.infer share shapes and layout (dp2·tp2); only the LM
     holds fp32 logits and their softmax copy: s·b·V/t·4·2 bytes."""
-    from nereus.trainer.memory import plan_memory
+    from nereus.trainer.controller.memory import plan_memory
 
     cfg = tiny()
     stages = {s.stage: s for s in plan_memory(cfg)[0]}
@@ -298,7 +298,7 @@ def test_micro_batch_size_sets_the_micro_batches_of_a_replica() -> None:
 
 
 def test_micro_batch_size_shrinks_the_activation_memory_and_is_checked() -> None:
-    from nereus.trainer.memory import plan_memory
+    from nereus.trainer.controller.memory import plan_memory
 
     def train_transient(*overrides: str) -> int:
         return next(s.transient for s in plan_memory(tiny(*overrides))[0] if s.stage == "actor.train")

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from nereus.trainer.memory import logits_bytes
+from nereus.trainer.controller.memory import logits_bytes
 from nereus.trainer.memtrace import tensor_peak
 from tests.distributed_harness import run_distributed
 
@@ -40,7 +40,7 @@ def test_tensor_peak_counts_what_is_alive_at_once():
 def _measure(rank: int, world: int, overrides: list[str]) -> dict:
     import nereus.trainer.loop as loop
     from nereus.trainer.config import load_config
-    from nereus.trainer.memory import plan_memory
+    from nereus.trainer.controller.memory import plan_memory
     from nereus.trainer.stages import infer
 
     cfg = load_config(TINY_PPO, overrides)

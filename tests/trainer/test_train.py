@@ -85,7 +85,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert store.steps() == [1, 2]
     cfg = load_config(TINY_PPO)
     from nereus.reshard.derive import derive_emus
-    from nereus.trainer.stages import model_args
+    from nereus.trainer.stage_args import model_args
 
     args = model_args(cfg, "actor.train")
     emus = derive_emus(args.spec, cfg.plan.actor.train.parallel_config(cfg.nproc), model="actor", stage="train", optimizer=True)

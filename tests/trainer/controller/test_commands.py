@@ -1,0 +1,77 @@
+"""`nereus plan` on the shipped 64-GPU configs, and the controller's config errors (no processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from nereus.cli.app import app
+from nereus.trainer.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("name", ["llama3_8b_ppo", "qwen2_5_7b_ppo"])
+def test_nereus_plan_plans_the_shipped_64_gpu_configs_within_their_budget(name):
+    result = runner.invoke(app, ["plan", name, "--json", "--top", "3"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"))
+    assert out["nproc"] == 64 and out["device_profile"] == "h200" and len(out["plans"]) == 3
+    seconds = [p["step_seconds"] for p in out["plans"]]
+    assert seconds == sorted(seconds) and all(s > 0 for s in seconds)
+    for p in out["plans"]:
+        assert set(p["stage_seconds"]) == set(cfg.plan.stages())
+        assert 0 < max(p["peak_gib"].values()) <= cfg.device_memory_gib
+    assert out["config_plan"]["step_seconds"] >= seconds[0]  # the search is never worse than the config's own plan
+    table = runner.invoke(app, ["plan", name]).output
+    assert "64 ranks of h200" in table and "| 1 |" in table and "config's plan" in table
+
+
+def test_nereus_plan_for_another_world_plans_it_from_scratch():
+    result = runner.invoke(app, ["plan", "llama3_8b_ppo", "--nproc", "32", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["nproc"] == 32 and out["config_plan"] is None
+    for model in out["plans"][0]["plan"].values():
+        for stage in (model or {}).values():
+            assert stage is None or stage["dp"] * stage["tp"] * stage["pp"] in (16, 32)  # colocated, or split in halves
+
+
+def test_nereus_plan_with_a_budget_no_plan_fits_says_the_smallest_peak():
+    result = runner.invoke(app, ["plan", "llama3_8b_ppo", "--set", "device_memory_gib=8", "--set", "plan=auto"])
+    assert result.exit_code == 2
+    assert "no plan of 64 ranks fits device_memory_gib=8: the smallest peak found is" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["controller.drfit=0.2"], r"unknown key 'controller.drfit' \(did you mean 'controller.drift'\?\)"),
+        (["controller.enabled=true", "controller.stages=[actor.trian]"], r"unknown model-stage 'actor.trian' \(did you mean 'actor.train'\?\)"),
+        (["controller.enabled=true", "device_profile=h300"], r"config key 'device_profile'.*h300"),
+        (["controller.drift=0"], r"'controller.drift' must be > 0"),
+        (["controller.max_tp=0"], r"'controller.max_tp' must be >= 1"),
+    ],
+)
+def test_bad_controller_config_is_a_one_line_error_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(os.path.join(ROOT, "configs", "tiny_grow.yaml"), overrides)
+
+
+def test_the_controller_with_vllm_says_why_not():
+    with pytest.raises(ConfigError, match="controller.enabled with rollout.engine: vllm"):
+        load_config(os.path.join(ROOT, "configs", "llama3_8b_ppo.yaml"), ["controller.enabled=true"])
+
+
+def test_a_controlled_job_must_fit_its_first_step_and_only_that():
+    """The controller moves the plan as the answers grow: the budget binds the first step's width."""
+    grow = os.path.join(ROOT, "configs", "tiny_grow.yaml")
+    load_config(grow, ["device_memory_gib=0.05"])  # fits 3-digit answers, not 24-digit ones
+    with pytest.raises(ConfigError, match=r"on rank 0 at 30 tokens per row"):
+        load_config(grow, ["device_memory_gib=0.05", "controller.enabled=false"])

@@ -1,0 +1,135 @@
+"""The plan search against brute force, and the admission rule's refusals (pure, no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+
+from nereus.trainer.config import ConfigError, load_config
+from nereus.trainer.controller.admission import DriftWatch, admit
+from nereus.trainer.controller.memory import HEADROOM, pipeline_memory
+from nereus.trainer.controller.online import Controller, ControllerSettings
+from nereus.trainer.controller.profiles import load_profile
+from nereus.trainer.controller.search import SYNCED, search, stage_options
+from nereus.trainer.controller.steptime import Placement, StepTimeModel, stage_features, sync_features
+from nereus.trainer.controller.workload import Workload
+
+CPU = load_profile("cpu")
+
+
+def tiny(*overrides: str):
+    return load_config("configs/tiny_grpo.yaml", ["nproc=4", *overrides])
+
+
+def brute_force(cfg, work, model, budget_bytes):
+    """Every combination of every stage's options, colocated, priced by the same models."""
+    where = Placement(nproc=cfg.nproc, profile=CPU)
+    everyone = tuple(range(cfg.nproc))
+    per_stage = {}
+    for key in cfg.plan.stages():
+        rows = []
+        for sc in stage_options(cfg, key, everyone, work):
+            secs = model.predict(stage_features(cfg, key, sc, work, where))
+            if key in SYNCED:
+                secs += model.predict(sync_features(cfg, key, sc, where))
+            mem = pipeline_memory(cfg, key, sc, seq=work.width, ends=True)
+            rows.append((secs, max(m.resident for m in mem), max(m.transient for m in mem), sc))
+        per_stage[key] = rows
+    best = math.inf
+    for combo in itertools.product(*per_stage.values()):
+        peak = (sum(r for _, r, _, _ in combo) + max(t for _, _, t, _ in combo)) * HEADROOM
+        if budget_bytes is None or peak <= budget_bytes:
+            best = min(best, sum(s for s, _, _, _ in combo))
+    return best
+
+
+@pytest.mark.parametrize("budget", [None, 0.03, 0.02])
+def test_search_finds_the_brute_force_optimum(budget):
+    cfg = tiny(f"device_memory_gib={budget if budget is not None else 'null'}")
+    work = Workload.from_config(cfg)
+    model = StepTimeModel.for_profile(CPU)
+    result = search(cfg, work, CPU, model, placements=("colocated",), beam=10_000)
+    want = brute_force(cfg, work, model, budget * 2**30 if budget else None)
+    assert result.best.seconds == pytest.approx(want, rel=1e-9)
+    assert all(a.seconds <= b.seconds for a, b in zip(result.plans, result.plans[1:]))
+    if budget:
+        assert all(max(c.peak_bytes.values()) <= budget * 2**30 for c in result.plans)
+
+
+def test_a_budget_no_plan_fits_names_the_smallest_peak():
+    with pytest.raises(ConfigError, match=r"no plan of 4 ranks fits device_memory_gib=0.0001: the smallest peak found is [\d.e-]+ GiB"):
+        load_config("configs/tiny_grpo.yaml", ["plan=auto", "device_memory_gib=0.0001"])
+
+
+def test_plan_auto_chooses_the_searched_plan_and_refuses_fixed_layouts():
+    auto = load_config("configs/tiny_grpo.yaml", ["plan=auto"])
+    best = search(auto, Workload.from_config(auto), CPU).best
+    assert auto.plan == best.plan
+    with pytest.raises(ConfigError, match="plan is 'auto'.*'plan.actor.train.tp' needs an explicit plan"):
+        load_config({**_yaml("configs/tiny_grpo.yaml"), "plan": "auto"}, ["plan.actor.train.tp=2"])
+
+
+def _yaml(path):
+    import yaml
+
+    return yaml.safe_load(open(path))
+
+
+def test_the_rule_refuses_a_gain_below_the_transition_cost_and_within_the_error_band():
+    common = dict(urgent=False, horizon=4, steps_left=100, gamma=0.5, recently_left=False)
+    # γ · H · ΔL = 0.5 · 4 · 0.2 = 0.4 s: a transition of 0.39 s pays back, one of 0.41 s does not
+    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.39, band=0.05, **common)
+    assert ok, why
+    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.41, band=0.05, **common)
+    assert not ok and "transition 0.41 s > γ·min(H, steps left)·ΔL = 0.4 s" in why
+    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.39, band=0.05, **{**common, "steps_left": 2})
+    assert not ok  # two steps left: 0.2 s is all it could win back
+    ok, why = admit(old_seconds=1.0, new_seconds=0.97, transition_seconds=0.0, band=0.05, **common)
+    assert not ok and "error band" in why
+    ok, why = admit(old_seconds=1.0, new_seconds=0.5, transition_seconds=0.1, band=0.05, **{**common, "recently_left": True})
+    assert not ok and "hysteresis" in why
+    ok, _ = admit(old_seconds=1.0, new_seconds=2.0, transition_seconds=99.0, band=0.05, **{**common, "urgent": True})
+    assert ok
+
+
+def test_horizon_is_the_mean_gap_between_drifts():
+    watch = DriftWatch(drift=0.3)
+    assert watch.check(0, {"len": 10.0}) == []
+    for step, value in [(3, 14.0), (6, 9.0), (10, 14.0)]:
+        assert watch.check(step, {"len": value}) == ["len"]
+        watch.reset({"len": value})
+    assert watch.horizon("len") == pytest.approx((3 + 4) / 2)
+    assert watch.check(11, {"len": 15.0}) == []  # 7% from the reference 14
+
+
+def _metrics(step: int, seconds: dict[str, float], width: int, response: float = 4.0) -> dict:
+    return {
+        "step": step,
+        "lengths": {"response_max": width - 5, "response_mean": response, "width": width, "prompt": 5},
+        "stages": {k: {"seconds": s, "peak_bytes": [10 << 20] * 4} for k, s in seconds.items()},
+    }
+
+
+def test_alternating_measurements_do_not_make_the_plan_go_back_and_forth(tmp_path):
+    """A job whose stage times swing ±40% every step: drifts trigger, but the plan moves at
+    most once and never back to a plan it just left."""
+    cfg = tiny(f"run_dir={tmp_path}")
+    controller = Controller(cfg, CPU, ControllerSettings(hysteresis=50), run_dir=str(tmp_path))
+    plans = [cfg.plan]
+    for step in range(1, 30):
+        swing = 1.4 if step % 2 else 0.6
+        seconds = {"actor.gen": 0.2 * swing, "actor.train": 0.6 / swing, "ref.infer": 0.1, "sync.actor.gen": 0.02}
+        metrics = _metrics(step, seconds, 9)
+        controller.observe(cfg, metrics)
+        decision = controller.decide(cfg, metrics)
+        if decision is not None and decision.admitted:
+            from nereus.trainer.config import PlanConfig, _build
+
+            cfg = dataclasses.replace(cfg, plan=_build(PlanConfig, decision.new_plan, "plan."))
+            plans.append(cfg.plan)
+    assert len(plans) <= 2, [p.stages()["actor.train"] for p in plans]
+    lines = (tmp_path / "transitions.jsonl").read_text().splitlines()
+    assert len(lines) >= 5  # the drifts were seen and decided on, and logged

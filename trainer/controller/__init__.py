@@ -1,0 +1,14 @@
+"""The controller: the plan follows the job (pure models, search and admission; no process group).
+
+- ``profiles``   device profiles as data (FLOP/s, memory, links per class)
+- ``memory``     per-rank memory of a plan at a sequence length, and the budget check
+- ``workload``   what the coming step asks of each model-stage (rows, tokens, lengths)
+- ``steptime``   per-model-stage step time from operation counts, calibrated online
+- ``transition`` the cost of moving state between two plans (reshard's estimator and graph)
+- ``search``     the best plans under the memory budget: frontier per model-stage, combined
+- ``admission``  when to replan and whether a better plan pays for its transition
+- ``online``     the live controller: observe → decide, with its logs
+
+The step loop (``trainer/loop.py``) calls it through one seam: ``observe`` after a step,
+``decide`` before the next; ``nereus plan`` and the simulator call the same functions.
+"""

@@ -1,0 +1,253 @@
+"""Per-rank memory model of a plan, and the check that it fits the device (pure).
+
+Model-stages are co-located (they run one after another on the same ranks), so a rank's
+peak is its *resident* state of every model-stage it holds plus the largest *transient*
+of one model-stage while it runs. Sizes: ``c`` bytes per element of the compute dtype
+(the model's ``dtype``), training stages storing float32 master weights
+(``trainer/stage_args.py``). Every term is a function of (tp, pp, dp, dp_shard,
+micro-batch) and of the sequence length ``seq`` (default the model's ``max_seq_len``;
+the controller passes the coming step's):
+
+- resident: the rank's weights, counted from ``reshard.derive``'s parameter list with its
+  TP rule (``local_elements``: vocab, column and KV rows split over TP — one KV head per
+  rank when tp exceeds the KV heads —, row-parallel columns split, norms replicated; the
+  last pipeline stage holds a tied embedding's copy; FSDP2 chunks dim 0 over dp), equal to
+  the layouts' local buffers (tested); training stages hold float32 weights, float32
+  gradients and AdamW's two float32 moments;
+- training transient: the activations this model's backward keeps, counted tensor by
+  tensor per token and layer (``activation_bytes``): the layer input, both norm outputs and
+  the mid-layer residual (h each, replicated over TP: no sequence parallelism), q after RoPE,
+  the attention output and its reshaped copy (H·d/t each), k after RoPE and v (K·d/t each,
+  one head when t > K), and the MLP's gate, up, silu(gate) and product (I/t each), plus the
+  float32 copies a 16-bit RMSNorm keeps; times the layers of the rank's pipeline stage and
+  the micro-batches in flight (1F1B keeps up to pp on the first stage), for a micro-batch of
+  the stage's rows (``StageConfig.micro_batches``), with RoPE's cos/sin tables and the
+  [T, T] bool attention mask of each micro-batch; the last stage adds the final norm;
+- weight workspace: with bf16 compute over float32 masters, the compute copies of the weights
+  (c/4 of the float32 weights, each layer's kept for its backward); under FSDP2 instead the
+  all-gathered root (embedding, final norm, head) and two layers in the compute dtype, and in
+  training the largest unit's unsharded gradient and its float32 reduce-scatter input;
+  without FSDP2, training adds the temporary of the largest gradient (autograd computes each
+  gradient apart, then adds it into ``.grad``);
+- inference transient: one layer's intermediates (2h + 4·I/t per token), not kept;
+- logits (causal LM, last stage): the model's output keeps the vocabulary sharded over TP
+  (``trainer/vocab_parallel.py``), ``s·b·V/t`` elements in the compute dtype, plus the
+  float32 copy of a bf16 block, the float32 softmax p, and a divided copy at temperature
+  ≠ 1; a value head's output is [b, s] and counts nothing;
+- generation holds its KV cache ``2·layers·kv_local·d·b·s`` in the weights' dtype, plus one
+  position's logits over the WHOLE vocabulary (gathered for sampling) with their float32
+  softmax;
+- the vLLM engine (``rollout.engine: vllm``) sleeps at level 2 outside generation (weights
+  and KV cache freed), and while generating holds ``rollout.gpu_memory_utilization`` of the
+  device (its weights and KV-cache pool): resident 0, transient that share.
+
+The peak takes 10% headroom (the Nereus paper's) before it is compared with the budget.
+Shortcuts: no allocator fragmentation model, no communication buffers, no CUDA context;
+``MemoryCalibration`` fits a correction to measured peaks (``controller/online.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from nereus.reshard.derive import plan_layer_ranges, plan_parameters
+from nereus.reshard.layout import itemsize
+
+from ..config import ConfigError, JobConfig, StageConfig
+
+HEADROOM = 1.10
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class _Degrees:
+    dp: int
+    tp: int
+    pp: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageMemory:
+    stage: str
+    resident: int
+    transient: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_ranges(layers: int, pp: int) -> list[range]:
+    return plan_layer_ranges(layers, pp)
+
+
+@functools.lru_cache(maxsize=8192)
+def local_elements(spec, tp: int, pp: int, dp: int = 1, dp_shard: bool = False) -> tuple[int, ...]:
+    """Elements of weights one rank holds, per pipeline stage (every TP rank holds as many;
+    with ``dp_shard`` the largest FSDP2 chunk). See the module docstring."""
+    ranges = plan_layer_ranges(spec.num_layers, pp)
+    stage_of = {layer: p for p, r in enumerate(ranges) for layer in r}
+    out = [0] * pp
+    kv_rows = spec.dim_head if tp > spec.num_kv_heads else spec.num_kv_heads * spec.dim_head // tp
+    for _name, shape, kind, layer in plan_parameters(spec):
+        if kind in ("col", "vocab") or (kind == "kv" and tp <= spec.num_kv_heads):
+            local = (shape[0] // tp, *shape[1:])
+        elif kind == "kv":
+            local = (kv_rows, *shape[1:])
+        elif kind == "row":
+            local = (shape[0], shape[1] // tp)
+        else:
+            local = tuple(shape)
+        n = math.prod(local[1:])
+        rows = -(-local[0] // dp) if dp_shard and dp > 1 else local[0]
+        stages = [stage_of[layer]] if layer >= 0 else [0] if layer == -1 else [pp - 1]
+        if layer == -1 and spec.tie_embeddings and spec.head == "lm" and pp > 1:
+            stages.append(pp - 1)  # the last stage's copy of the tied embedding
+        for p in stages:
+            out[p] += rows * n
+    return tuple(out)
+
+
+def stage_memory(cfg: JobConfig, key: str, sc: StageConfig, *, seq: int | None = None) -> dict[int, StageMemory]:
+    """Every rank's memory of model-stage ``key`` under ``sc`` (bytes, before headroom), at
+    sequence length ``seq`` (default the model's ``max_seq_len``)."""
+    config = sc.parallel_config(cfg.nproc)
+    per_stage = pipeline_memory(cfg, key, sc, seq=seq)
+    return {rank: per_stage[(i // config.tp) % config.pp] for i, rank in enumerate(config.ranks)}
+
+
+def pipeline_memory(
+    cfg: JobConfig, key: str, sc: StageConfig, *, seq: int | None = None, ends: bool = False, args=None
+) -> list[StageMemory]:
+    """The memory of one rank of each pipeline stage of model-stage ``key`` (every rank of
+    a pipeline stage holds as much), before headroom. ``ends``: only the first and the last
+    pipeline stage, which hold the most of both kinds (the first: the embedding, the most
+    layers and micro-batches in flight; the last: the head and the logits). ``args``: the
+    stage's ModelArgs, if at hand."""
+    from ..stage_args import model_args
+
+    args = args or model_args(cfg, key)
+    spec, config = args.spec, _Degrees(dp=sc.dp, tp=sc.tp, pp=sc.pp)
+    train = key.endswith(".train")
+    size = itemsize(args.compute)
+    seq = seq or args.max_seq_len
+    rows = -(-cfg.batch_size // config.dp)
+    if train:
+        rows = -(-(cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo).minibatch_size // config.dp)
+    if key == "actor.gen" and cfg.rollout.engine == "vllm":
+        share = int(cfg.rollout.gpu_memory_utilization * (cfg.device_memory_gib or 0) * GIB)
+        return [StageMemory(stage=key, resident=0, transient=share)] * (min(config.pp, 2) if ends else config.pp)  # asleep outside generation
+    layer_ranges = _layer_ranges(spec.num_layers, config.pp)
+    per_stage = local_elements(spec, config.tp, config.pp, config.dp, sc.dp_shard)
+    out = []
+    for p in sorted({0, config.pp - 1}) if ends else range(config.pp):
+        weights = per_stage[p] * itemsize(spec.dtype)
+        layers, last = len(layer_ranges[p]), p == config.pp - 1
+        if key.endswith(".gen"):
+            kv_local = max(spec.num_kv_heads // config.tp, 1)
+            transient = 2 * layers * kv_local * spec.dim_head * rows * seq * size
+            transient += rows * spec.vocab_size * (size + 4) if spec.head == "lm" else 0
+            out.append(StageMemory(stage=key, resident=weights, transient=int(transient)))
+            continue
+        n = sc.micro_batches(rows)
+        micro = -(-rows // n)
+        tokens = seq * micro
+        fsdp = sc.dp_shard and config.dp > 1
+        per_layer = activation_bytes(spec, config.tp, args.compute, train=train)
+        shared = tokens * (2 * spec.dim_head * size + seq)  # RoPE's cos/sin tables, the bool attention mask
+        if train:
+            transient = (tokens * per_layer * layers + shared) * min(config.pp - p, n)
+            transient += tokens * final_norm_bytes(spec, args.compute) if last else 0
+        else:
+            transient = tokens * per_layer + shared
+        transient += weight_workspace(args, config, weights, train=train, fsdp=fsdp)
+        if last and spec.head == "lm":
+            transient += tokens * (spec.vocab_size // config.tp) * logits_bytes(args.compute, cfg.rollout.temperature)
+        out.append(StageMemory(stage=key, resident=weights * (4 if train else 1), transient=int(transient)))
+    return out
+
+
+def plan_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> dict[int, list[StageMemory]]:
+    """Every rank's memory per model-stage it holds under ``plan`` (default the job's)."""
+    out: dict[int, list[StageMemory]] = defaultdict(list)
+    for key, sc in (plan or cfg.plan).stages().items():
+        for rank, m in stage_memory(cfg, key, sc, seq=seq).items():
+            out[rank].append(m)
+    return dict(out)
+
+
+def rank_peak(stages: list[StageMemory]) -> tuple[int, StageMemory]:
+    """A rank's peak (its resident state plus the largest transient, before headroom) and the
+    model-stage whose run it is."""
+    worst = max(stages, key=lambda s: s.transient)
+    return sum(s.resident for s in stages) + worst.transient, worst
+
+
+def logits_bytes(compute: str, temperature: float) -> int:
+    """Bytes per logit element a training or inference stage holds at once: the model's
+    output in the compute dtype, its float32 copy (16-bit only: ``stages.upcast``), the
+    divided copy (T ≠ 1), and the softmax (``trainer/vocab_parallel.py``), float32 or wider."""
+    size = itemsize(compute)
+    return size + (4 if size < 4 else 0) + (size if temperature != 1.0 else 0) + max(size, 4)
+
+
+def activation_bytes(spec, tp: int, compute: str, *, train: bool) -> int:
+    """Bytes per token of one layer: what its backward keeps (``train``), or the largest
+    intermediates of its forward (inference). See the module docstring."""
+    c, h = itemsize(compute), spec.hidden_size
+    q = spec.num_heads * spec.dim_head // tp
+    kv = (spec.num_kv_heads // tp if spec.num_kv_heads % tp == 0 else 1) * spec.dim_head
+    mlp = spec.intermediate_size // tp
+    if not train:
+        return c * (2 * h + 4 * mlp)
+    kept = c * (4 * h + 3 * q + 2 * kv + 4 * mlp)
+    return kept + (2 * (4 + c) * h if c < 4 else 0)  # a 16-bit RMSNorm keeps x.float() and its cast-back output
+
+
+def final_norm_bytes(spec, compute: str) -> int:
+    """Per token on the last stage: the final norm's input and output (+ 16-bit copies)."""
+    c, h = itemsize(compute), spec.hidden_size
+    return 2 * c * h + ((4 + c) * h if c < 4 else 0)
+
+
+def weight_workspace(args, config, weights: int, *, train: bool, fsdp: bool) -> float:
+    """Weights in flight beyond the resident shards (module docstring): compute-dtype copies
+    of float32 masters, or FSDP2's all-gathered units and, in training, its reduce-scatter
+    inputs."""
+    spec, c = args.spec, itemsize(args.compute)
+    h, d, t = spec.hidden_size, spec.dim_head, config.tp
+    largest = max(spec.vocab_size * h, h * spec.intermediate_size) / t * itemsize(spec.dtype)
+    accumulate = largest if train else 0  # autograd adds each new gradient into .grad from a temporary
+    if not fsdp:
+        return accumulate + (weights * c / itemsize(spec.dtype) if args.compute != spec.dtype else 0.0)
+    layer = (h * spec.num_heads * d * 2 + h * spec.num_kv_heads * d * 2 + 3 * h * spec.intermediate_size) / t
+    root = spec.vocab_size * h / t * (2 if spec.head == "lm" and not spec.tie_embeddings else 1) + h
+    gathered = (root + 2 * layer) * c
+    scatter = c + 4 if c < 4 else 2 * c  # the unsharded gradient, and its float32 (or flat) reduce-scatter input
+    return gathered + (max(root, layer) * scatter if train else 0)
+
+
+def check_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> None:
+    """Raise ConfigError naming the rank, the model-stage and the excess when a rank's peak
+    (with 10% headroom) exceeds ``device_memory_gib``; no budget, no check."""
+    budget = cfg.device_memory_gib
+    if budget is None:
+        return
+    limit = int(budget * GIB)
+    for rank, stages in sorted(plan_memory(cfg, plan, seq=seq).items()):
+        total, worst = rank_peak(stages)
+        peak = int(total * HEADROOM)
+        if peak > limit:
+            biggest = max(stages, key=lambda s: s.resident + s.transient)
+            raise ConfigError(
+                f"plan over the memory budget on rank {rank}{f' at {seq} tokens per row' if seq else ''}: "
+                f"needs {gib(peak)} GiB with 10% headroom "
+                f"> device_memory_gib={budget:g} by {gib(peak - limit)} GiB; largest model-stage there: "
+                f"{biggest.stage} ({gib(biggest.resident + biggest.transient)} GiB), peak while "
+                f"{worst.stage} runs"
+            )
+
+
+def gib(nbytes: float) -> str:
+    """Bytes in GiB, three significant digits (0.0123, 1.23, 123)."""
+    return f"{nbytes / GIB:.3g}"

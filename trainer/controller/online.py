@@ -1,0 +1,324 @@
+"""The live controller: observe a step, decide before the next (pure: no process group).
+
+The step loop calls, on one rank (rank 0; the decision is broadcast to the others):
+
+    controller.observe(cfg, metrics)        after step s: its measured pieces and lengths
+    decision = controller.decide(cfg)       before step s + 1: None, or a Decision
+    controller.transitioned(decision, s)    after an admitted transition ran (measured seconds)
+
+``observe`` first logs every piece's prediction (made with the model as it was before this
+step) beside its measurement in ``RUN_DIR/predictions.jsonl`` with the running error, then
+recalibrates: the step-time model on every piece seen so far (``steptime.calibrate``),
+and the memory correction (``fit_memory``: per class of training layouts, the largest
+shortfall of the model against its recent measured peaks). ``decide`` checks the triggers of
+``admission``, searches (``search``) for the coming step's workload, prices the best
+plan's transition (``transition``) and applies the admission rule; every decision it
+returns goes to ``RUN_DIR/transitions.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
+from .admission import Decision, DriftWatch, admit
+from .memory import GIB, HEADROOM, gib, plan_memory
+from .profiles import DeviceProfile
+from .search import SYNCED, MemoryFit, rank_class, search
+from .steptime import Placement, StepTimeModel, stage_features, sync_features
+from .transition import TransitionModel, transition_peak
+from .workload import Workload
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ControllerSettings:
+    drift: float = 0.3
+    gamma: float = 0.5
+    hysteresis: int = 8
+    min_band: float = 0.05
+    """The smallest error band used, however well the model has fitted so far."""
+    calibrate: bool = True
+    """False: keep the device profile's priors (decisions depend on lengths and memory alone)."""
+    lookahead: int = 8
+    """Steps ahead whose (extrapolated) workload a new plan must fit and is chosen for, so
+    that growing lengths do not force a transition every step."""
+    unseen_margin: float = 0.25
+    """A class of training layouts (``search.rank_class``) the job has not run yet is priced
+    at the largest correction measured plus this share of the model's peak: FSDP2's, TP's and
+    PP's buffers are what the model counts least well (on CPU FSDP2 measured ~20% over it)."""
+
+
+def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) -> dict[str, float] | None:
+    """The step-time features of one measured piece of a step (``trainer/observe.py``'s
+    names): a model-stage, a model-stage's forward by a training layout
+    (``<model>.train.infer``), or a weight sync (``sync.<destination>``); None for the
+    step's bookkeeping (advantages, the finiteness check), which is not planned."""
+    stages = cfg.plan.stages()
+    if name.startswith("sync."):
+        key = name[len("sync."):]
+        return sync_features(cfg, key, stages[key], where) if key in stages else None
+    if name.endswith(".train.infer"):
+        key = name[: -len(".infer")]
+        return stage_features(cfg, key, stages[key], work, where, mode="infer")
+    if name in stages:
+        return stage_features(cfg, name, stages[name], work, where)
+    return None
+
+
+def plan_key(plan: PlanConfig) -> str:
+    return plan_key_of(config_to_dict(plan))
+
+
+def plan_key_of(plan: dict) -> str:
+    return json.dumps(plan, sort_keys=True)
+
+
+class Controller:
+    """See the module docstring. ``run_dir`` None: no log files (``nereus plan``, tests)."""
+
+    def __init__(self, cfg: JobConfig, profile: DeviceProfile, settings: ControllerSettings = ControllerSettings(),
+                 *, run_dir: str | None = None, first_step: int = 0) -> None:
+        self.profile, self.settings, self.run_dir = profile, settings, run_dir
+        self.model = StepTimeModel.for_profile(profile)
+        self.memory = MemoryFit()
+        self.transitions = TransitionModel()
+        self.samples: deque = deque(maxlen=4000)
+        self.memory_samples: deque = deque(maxlen=400)
+        self.transition_samples: list[tuple[float, int, float]] = []
+        self.errors: deque = deque(maxlen=20)
+        self.lengths: list[tuple[int, float]] = []
+        self.watch = DriftWatch(drift=settings.drift)
+        self.left: dict[str, int] = {}
+        self.step = first_step
+        self.nproc = cfg.nproc
+        self.pending: dict | None = None
+
+    # ------------------------------------------------------------------ observing
+
+    @property
+    def band(self) -> float:
+        """The step-time model's mean relative error on this job so far (out of sample)."""
+        return max(self.settings.min_band, sum(self.errors) / len(self.errors)) if self.errors else 0.5
+
+    def observe(self, cfg: JobConfig, metrics: dict) -> dict:
+        """Log predictions beside the measurements of step ``metrics["step"]``, then
+        recalibrate. Returns the predictions line."""
+        self.step = int(metrics["step"])
+        lengths = metrics["lengths"]
+        self.lengths.append((int(lengths["response_max"]), float(lengths["response_mean"])))
+        work = Workload.from_config(cfg).at(int(lengths["response_max"]), lengths["response_mean"])
+        where = Placement(nproc=cfg.nproc, profile=self.profile)
+        pieces, predicted_total, measured_total = {}, 0.0, 0.0
+        for name, record in metrics["stages"].items():
+            features = piece_features(cfg, name, work, where)
+            if features is None:
+                continue
+            predicted = self.model.predict(features)
+            pieces[name] = {"predicted_s": predicted, "measured_s": record["seconds"]}
+            predicted_total += predicted
+            measured_total += record["seconds"]
+            self.samples.append((features, record["seconds"]))
+        error = abs(predicted_total - measured_total) / measured_total if measured_total > 0 else 0.0
+        self.errors.append(error)
+        memory = self._observe_memory(cfg, metrics, work)
+        if self.settings.calibrate:
+            self.model = self.model.calibrate(list(self.samples))
+        line = {
+            "step": self.step, "pieces": pieces, "step_predicted_s": predicted_total, "step_measured_s": measured_total,
+            "error": error, "mean_error": sum(self.errors) / len(self.errors), "memory": memory,
+            "coef": dict(self.model.coef),
+        }
+        self._log("predictions.jsonl", line)
+        return line
+
+    def _observe_memory(self, cfg: JobConfig, metrics: dict, work: Workload) -> dict:
+        """Predicted (before this step's correction) and measured peak per rank; refit."""
+        per_rank = plan_memory(cfg, seq=work.width)
+        measured = [max(r["peak_bytes"][rank] for r in metrics["stages"].values()) for rank in range(cfg.nproc)]
+        predicted, classes = [], []
+        for rank in range(cfg.nproc):
+            resident, transient, cls = _rank_terms(cfg.plan, per_rank.get(rank, []))
+            predicted.append(self.memory.peak(resident, transient, cls))
+            classes.append(cls)
+            # each step starts from a trimmed heap (trainer/observe.py): every step's peak is its own
+            self.memory_samples.append((cls, resident, transient, measured[rank]))
+        if self.settings.calibrate:
+            self.memory = fit_memory(list(self.memory_samples), unseen=self.settings.unseen_margin)
+        return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes}
+
+    # ------------------------------------------------------------------ deciding
+
+    def signals(self, cfg: JobConfig, metrics: dict | None) -> dict[str, float]:
+        if not self.lengths:
+            return {}
+        out = {"response_max": float(self.lengths[-1][0]), "response_mean": self.lengths[-1][1]}
+        if metrics:  # the shares of the step of the model-stages that matter (10% or more)
+            total = sum(r["seconds"] for r in metrics["stages"].values()) or 1.0
+            out.update({f"share:{name}": r["seconds"] / total for name, r in metrics["stages"].items()
+                        if name in cfg.plan.stages() and r["seconds"] >= 0.1 * total})
+        return out
+
+    def decide(self, cfg: JobConfig, metrics: dict | None = None, *, nproc: int | None = None) -> Decision | None:
+        """The decision before the coming step, or None when nothing triggered."""
+        t0 = time.perf_counter()
+        work = Workload.observed(cfg, self.lengths)  # the coming step: does the running plan fit it?
+        ahead = Workload.observed(cfg, self.lengths, ahead=min(self.settings.lookahead, max(cfg.steps - self.step, 1)))
+        where = Placement(nproc=cfg.nproc, profile=self.profile)
+        old = self._predict(cfg, cfg.plan, ahead, where)
+        triggers, urgent = [], False
+        budget = cfg.device_memory_gib * GIB if cfg.device_memory_gib is not None else None
+        if budget is not None and self._peak(cfg, cfg.plan, work) > budget:
+            triggers.append("infeasible")
+            urgent = True
+        if nproc is not None and nproc != self.nproc:
+            triggers.append("world")
+            urgent = True
+        signals = self.signals(cfg, metrics)
+        drifted = self.watch.check(self.step, signals)
+        triggers += [f"drift:{name}" for name in drifted]
+        if not triggers:
+            return None
+        self.watch.reset(signals)
+        common_none = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old,
+                           horizon=1.0, urgent=urgent, new_plan=None, new_seconds=None, gain_seconds=0.0, transition_seconds=None)
+        try:
+            result = search(cfg, ahead, self.profile, self.model, fit=self.memory)
+        except ConfigError as e:  # nothing fits: the running plan goes on (the budget is the model's)
+            return self._decided(Decision(**common_none, admitted=False, reason=f"no plan fits: {e}",
+                                          decision_ms=(time.perf_counter() - t0) * 1e3))
+        best = result.best
+        horizon = max((self.watch.horizon(n) for n in drifted), default=1.0)
+        common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
+        if plan_key(best.plan) == plan_key(cfg.plan):
+            return self._decided(Decision(**common, admitted=False, reason="the running plan is the best", new_plan=None,
+                                          new_seconds=old, gain_seconds=0.0, transition_seconds=None,
+                                          decision_ms=(time.perf_counter() - t0) * 1e3))
+        cost = self.transitions.cost(cfg, cfg.plan, best.plan, budget=int(budget) if budget else None)
+        if budget is not None:  # while a stage moves, its old and new state are both held
+            held = self._move_peak(cfg, best.plan) * HEADROOM
+            if held > budget:
+                for choice in result.plans[1:]:  # the best plan whose move fits
+                    if self._move_peak(cfg, choice.plan) * HEADROOM <= budget:
+                        best = choice
+                        break
+                else:
+                    return self._decided(Decision(**common, admitted=False, new_plan=config_to_dict(best.plan),
+                                                  new_seconds=best.seconds, gain_seconds=old - best.seconds,
+                                                  transition_seconds=cost.seconds, decision_ms=(time.perf_counter() - t0) * 1e3,
+                                                  reason=f"no better plan's transition fits the budget (old and new state held: {gib(held)} GiB)"))
+                cost = self.transitions.cost(cfg, cfg.plan, best.plan, budget=int(budget))
+        steps_left = max(cfg.steps - self.step, 0)
+        ok, reason = admit(
+            urgent=urgent, old_seconds=old, new_seconds=best.seconds, transition_seconds=cost.seconds, horizon=horizon,
+            steps_left=steps_left, band=self.band, gamma=self.settings.gamma,
+            recently_left=self.step - self.left.get(plan_key(best.plan), -10**9) < self.settings.hysteresis,
+        )
+        decision = Decision(**common, admitted=ok, reason=reason, new_plan=config_to_dict(best.plan), new_seconds=best.seconds,
+                            gain_seconds=old - best.seconds, transition_seconds=cost.seconds,
+                            decision_ms=(time.perf_counter() - t0) * 1e3)
+        if ok:
+            self.left[plan_key(cfg.plan)] = self.step
+            self.pending = {"stages": len(cost.stages), "movement_s": cost.seconds - self.transitions.rebuild * len(cost.stages),
+                            "peak_bytes": self._move_peak(cfg, best.plan)}
+        return self._decided(decision)
+
+    def _predict(self, cfg: JobConfig, plan: PlanConfig, work: Workload, where: Placement) -> float:
+        total = 0.0
+        for key, sc in plan.stages().items():
+            total += self.model.predict(stage_features(cfg, key, sc, work, where))
+            if key in SYNCED:
+                total += self.model.predict(sync_features(cfg, key, sc, where))
+        return total
+
+    def _peak(self, cfg: JobConfig, plan: PlanConfig, work: Workload) -> float:
+        """The largest calibrated per-rank peak, with headroom."""
+        worst = 0.0
+        for stages in plan_memory(cfg, plan, seq=work.width).values():
+            worst = max(worst, self.memory.peak(*_rank_terms(plan, stages)) * HEADROOM)
+        return worst
+
+    def _move_peak(self, cfg: JobConfig, new: PlanConfig) -> float:
+        """The calibrated bytes a rank holds while the running plan moves to ``new`` (before
+        headroom), corrected as the least known of the ranks' classes in either plan."""
+        classes = {_rank_terms(p, stages)[2] for p in (cfg.plan, new) for stages in plan_memory(cfg, p).values()}
+        return max(self.memory.peak(transition_peak(cfg, cfg.plan, new), 0, c) for c in classes)
+
+    def _decided(self, decision: Decision) -> Decision:
+        self._log("transitions.jsonl", {"kind": "decision", **asdict(decision)})
+        return decision
+
+    def transitioned(self, decision: Decision, done: dict) -> None:
+        """Record how an admitted transition went (``Trainer.apply_plan``'s result, or
+        ``{"error": ...}`` when it failed and the old plan kept running)."""
+        pending, self.pending = self.pending or {"stages": 0, "movement_s": 0.0}, None
+        if "error" in done:
+            self.left.pop(plan_key_of(decision.old_plan), None)
+            self._log("transitions.jsonl", {"kind": "failed", "step": decision.step, "error": done["error"],
+                                            "new_plan": decision.new_plan, "running": "the old plan, its state intact"})
+            return
+        self.transition_samples.append((done["seconds"], pending["stages"], pending["movement_s"]))
+        if self.settings.calibrate:
+            self.transitions = self.transitions.calibrated(self.transition_samples)
+        self._log("transitions.jsonl", {"kind": "transition", "step": decision.step, "predicted_s": decision.transition_seconds,
+                                        "measured_s": done["seconds"], "bytes": done["bytes"], "stages": done["stages"],
+                                        "rebuilt": done.get("rebuilt", []), "verified_tensors": done.get("verified", 0),
+                                        "peak_bytes": done.get("peak_bytes"), "predicted_peak_bytes": pending.get("peak_bytes"),
+                                        "new_plan": decision.new_plan})
+
+    def failed(self, step: int, error: Exception) -> None:
+        """Log a failure of the controller itself; the job keeps its plan."""
+        self._log("transitions.jsonl", {"kind": "error", "step": step, "error": f"{type(error).__name__}: {error}",
+                                        "running": "the plan in effect, unchanged"})
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (JSON): the lengths seen, the plans left and when, the drift
+        references. The calibration is re-learned after a resume."""
+        return {"lengths": [list(x) for x in self.lengths], "left": dict(self.left),
+                "reference": dict(self.watch.reference), "last_drift": dict(self.watch.last_drift),
+                "gaps": {k: list(v) for k, v in self.watch.gaps.items()}}
+
+    def load_state(self, state: dict) -> None:
+        self.lengths = [(int(a), float(b)) for a, b in state.get("lengths", [])]
+        self.left = {k: int(v) for k, v in state.get("left", {}).items()}
+        self.watch.reference = dict(state.get("reference", {}))
+        self.watch.last_drift = {k: int(v) for k, v in state.get("last_drift", {}).items()}
+        self.watch.gaps = {k: list(v) for k, v in state.get("gaps", {}).items()}
+
+    def _log(self, name: str, line: dict) -> None:
+        if self.run_dir is None:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, name), "a") as f:
+            f.write(json.dumps(line, default=_json) + "\n")
+
+
+def _json(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON-able")
+
+
+def _rank_terms(plan: PlanConfig, stages: list) -> tuple[int, int, str]:
+    """A rank's (Σ resident, max transient, class) from its ``memory.StageMemory`` list."""
+    configs = plan.stages()
+    resident = sum(s.resident for s in stages)
+    transient = max((s.transient for s in stages), default=0)
+    return resident, transient, rank_class((s.stage, configs[s.stage]) for s in stages)
+
+
+def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = 12, unseen: float = 0.25) -> MemoryFit:
+    """The memory model's correction from (class, resident, transient, measured) samples: per
+    class of training layouts, ``offset`` = the largest (measured − predicted) of its
+    ``recent`` latest samples — what the model does not count (allocator slack, libraries,
+    communication buffers) — never below 0; ``unseen`` for the classes not run yet. No
+    per-term scales: a process's resident memory cannot tell weights from activations."""
+    by_class: dict[str, list[float]] = {}
+    for cls, r, t, m in samples:
+        by_class.setdefault(cls, []).append(float(m - r - t))
+    return MemoryFit(offsets={c: max(0.0, max(v[-recent:])) for c, v in by_class.items()}, unseen=unseen)

@@ -1,0 +1,128 @@
+"""What a transition between two plans costs (pure): reshard's estimator and transition graph.
+
+A model-stage whose micro-batch size alone changes costs nothing (it is retuned in place).
+For every model-stage whose layout changes, its state (weights, and AdamW state for a
+training stage) moves from the old EMUs to the new ones: ``reshard.estimate`` gives the
+exact transfers as arrays, ``reshard.graph.plan_graph`` schedules them in rounds within the
+memory budget and prices them with its alpha-beta ``LinkCost`` (calibrated from measured
+transfers: ``graph.calibrate``). Building the new stages (modules on meta, parallelize,
+process groups) costs a fixed ``rebuild`` per changed stage, calibrated from measured
+transitions. The weight syncs of the new plan are priced by the step-time model, not here.
+
+    seconds = Σ_rebuilt stages (graph seconds of its state) + rebuild · (rebuilt stages)
+
+The exact transfers grow with ranks × tensors (a 1,024-rank 8B transition is millions of
+them, minutes to schedule), so above ``EXACT_RANKS`` ranks a stage is priced in closed
+form instead: its busiest rank receives its whole new resident state over the slowest link
+class (``cross``), one message per pipeline-stage tensor — an upper bound of the graph's
+seconds up to its rounds, what the admission rule needs to decide (the executor plans the
+exact rounds when it runs).
+
+While a stage moves, its old and new state are both held: ``transition_peak`` is every
+rank's resident memory of the old plan plus the rebuilt stages' new resident memory (the
+controller refuses a transition whose peak is over the budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from nereus.reshard.derive import derive_emus
+from nereus.reshard.estimate import estimate_transfers
+from nereus.reshard.graph import LINK_CLASSES, LinkCost, plan_graph
+
+from ..config import JobConfig, PlanConfig, StageConfig
+
+REBUILD_SECONDS = 0.3  # prior per rebuilt model-stage (this CPU: module build, groups, optimizer)
+EXACT_RANKS = 16  # above: the closed-form price (module docstring)
+
+
+def stage_emus(cfg: JobConfig, key: str, sc: StageConfig, nproc: int):
+    """The EMUs a model-stage holds under ``sc`` (weights, and AdamW state when training)."""
+    from ..stage_args import model_args
+    from ..vllm_engine import vllm_emus
+
+    args = model_args(cfg, key)
+    model, stage = key.split(".")
+    config = sc.parallel_config(nproc)
+    if key == "actor.gen" and cfg.rollout.engine == "vllm":
+        return vllm_emus(args.spec, config, model=model, stage=stage)
+    return derive_emus(args.spec, config, model=model, stage=stage, optimizer=stage == "train", dp_shard=sc.dp_shard, fused=sc.fused)
+
+
+def changed_stages(old: PlanConfig, new: PlanConfig) -> list[str]:
+    """Model-stages whose stage config differs (the rest keep their modules and state)."""
+    a, b = old.stages(), new.stages()
+    return [k for k in b if a.get(k) != b[k]]
+
+
+def rebuilt_stages(old: PlanConfig, new: PlanConfig) -> list[str]:
+    """Changed model-stages whose layout changes (anything but the micro-batch size): they are
+    built anew and their state moves; a micro-batch change only retunes the running stage."""
+    a, b = old.stages(), new.stages()
+    same = lambda x, y: x is not None and dataclasses.replace(x, micro_batch_size=None) == dataclasses.replace(y, micro_batch_size=None)  # noqa: E731
+    return [k for k in changed_stages(old, new) if not same(a.get(k), b[k])]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransitionCost:
+    seconds: float
+    nbytes: int
+    """Bytes that cross between ranks (local copies not counted)."""
+    stages: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransitionModel:
+    link: LinkCost = LinkCost()
+    rebuild: float = REBUILD_SECONDS
+
+    def cost(self, cfg: JobConfig, old: PlanConfig, new: PlanConfig, *, budget: int | None = None) -> TransitionCost:
+        stages = rebuilt_stages(old, new)
+        seconds, nbytes = self.rebuild * len(stages), 0
+        for key in stages:
+            if cfg.nproc > EXACT_RANKS:
+                s, b = self._bound(cfg, key, new.stages()[key])
+                seconds, nbytes = seconds + s, nbytes + b
+                continue
+            src = stage_emus(cfg, key, old.stages()[key], cfg.nproc)
+            dst = stage_emus(cfg, key, new.stages()[key], cfg.nproc)
+            arrays = estimate_transfers(src, dst)
+            graph = plan_graph(arrays, budget=budget, cost=self.link)
+            seconds += graph.seconds
+            nbytes += int(arrays.nbytes[arrays.src != arrays.dst].sum())
+        return TransitionCost(seconds=seconds, nbytes=nbytes, stages=tuple(stages))
+
+    def _bound(self, cfg: JobConfig, key: str, sc: StageConfig) -> tuple[float, int]:
+        """(seconds, bytes) of the closed-form price of moving ``key`` into ``sc``."""
+        from ..stage_args import model_args
+        from .memory import pipeline_memory, plan_parameters
+
+        busiest = max(m.resident for m in pipeline_memory(cfg, key, sc, ends=True))
+        per_stage = -(-len(plan_parameters(model_args(cfg, key).spec)) // sc.pp)
+        tensors = per_stage * (3 if key.endswith(".train") else 1)  # weights, and AdamW's two moments
+        i = LINK_CLASSES.index("cross")
+        return tensors * self.link.alpha[i] + busiest / self.link.beta[i], busiest * cfg.nproc
+
+    def calibrated(self, measured: list[tuple[float, int, float]]) -> TransitionModel:
+        """Refit ``rebuild`` from measured transitions ``(seconds, changed stages, predicted
+        movement seconds)``: the mean of (measured − movement) per stage, at least 0."""
+        per_stage = [(s - moved) / n for s, n, moved in measured if n]
+        if not per_stage:
+            return self
+        return TransitionModel(link=self.link, rebuild=max(0.0, sum(per_stage) / len(per_stage)))
+
+
+def transition_peak(cfg: JobConfig, old: PlanConfig, new: PlanConfig) -> int:
+    """The largest resident bytes any rank holds while ``old`` moves to ``new`` (before headroom)."""
+    from .memory import plan_memory
+
+    rebuilt = set(rebuilt_stages(old, new))
+    held = plan_memory(cfg, old)
+    coming = plan_memory(cfg, new)
+    worst = 0
+    for rank in set(held) | set(coming):
+        total = sum(m.resident for m in held.get(rank, [])) + sum(m.resident for m in coming.get(rank, []) if m.stage in rebuilt)
+        worst = max(worst, total)
+    return worst

@@ -1,0 +1,75 @@
+"""What one step asks of the model-stages: rows, prompt and response lengths (pure).
+
+A step samples ``batch`` responses (prompts × samples per prompt), ``prompt`` tokens each,
+and the batch is as wide as its longest response (``response_max``: the trainer trims the
+padding columns no response reached), ``response_mean`` tokens long on average. Training
+runs ``epochs`` passes over mini-batches of ``minibatch`` rows.
+
+``Workload.from_config`` is the planner's view before any step (responses as long as
+``rollout.max_new_tokens``, or, at a given step of a length curriculum, as that step's cap);
+``Workload.observed`` the controller's, from recorded steps:
+the last step's lengths, extrapolated one step by their recent trend and capped by the
+config, so that a plan is chosen for the step about to run, not the one just done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from ..config import JobConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    batch: int
+    prompt: int
+    response_max: int
+    response_mean: float
+    minibatch: int
+    epochs: int
+
+    @property
+    def width(self) -> int:
+        """Tokens per row of the step's batch."""
+        return self.prompt + self.response_max
+
+    @property
+    def minibatches(self) -> int:
+        """Optimizer steps of one training stage in the step."""
+        return self.epochs * max(1, self.batch // self.minibatch)
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, step: int | None = None) -> Workload:
+        """The longest step of the job, or the longest step ``step`` (0-based) can be: the
+        trainer caps a length curriculum's rollouts at that step's answer length."""
+        from ..tasks import build_task
+
+        hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+        task = build_task(cfg.task)
+        longest = cfg.rollout.max_new_tokens
+        if step is not None and cfg.task.grow_to is not None:
+            longest = min(longest, build_task(cfg.task, step).max_answer_len)
+        return cls(
+            batch=cfg.batch_size, prompt=task.prompt_len, response_max=longest,
+            response_mean=float(longest), minibatch=hp.minibatch_size, epochs=hp.epochs,
+        )
+
+    def at(self, response_max: int, response_mean: float | None = None) -> Workload:
+        return replace(self, response_max=int(response_max), response_mean=float(response_mean or response_max))
+
+    @classmethod
+    def observed(cls, cfg: JobConfig, lengths: Sequence[tuple[int, float]], *, trend_steps: int = 5, ahead: int = 1) -> Workload:
+        """The workload ``ahead`` steps on from the ``(response_max, response_mean)`` of the
+        steps so far (oldest first): the last one plus ``ahead`` times its mean growth per
+        step over the last ``trend_steps``, never below the last, never above
+        ``rollout.max_new_tokens``; before any step, the first step's (``from_config``)."""
+        base = cls.from_config(cfg)
+        if not lengths:
+            return cls.from_config(cfg, step=0)
+        recent = list(lengths[-(trend_steps + 1):])
+        last_max, last_mean = recent[-1]
+        growth = max(0.0, (recent[-1][0] - recent[0][0]) / max(len(recent) - 1, 1))
+        growth_mean = max(0.0, (recent[-1][1] - recent[0][1]) / max(len(recent) - 1, 1))
+        cap = cfg.rollout.max_new_tokens
+        return base.at(min(cap, round(last_max + ahead * growth)), min(float(cap), last_mean + ahead * growth_mean))

@@ -1,0 +1,161 @@
+"""``nereus report RUN_DIR``: plots and a Markdown summary of a finished or running job.
+
+Reads what the job writes (``metrics.jsonl``; with the controller also ``predictions.jsonl``
+and ``transitions.jsonl``) and writes, under ``RUN_DIR/report/``:
+
+- ``reward.png``      reward (and task reward) and KL per step;
+- ``stages.png``      seconds per step of every measured model-stage;
+- ``plan.png``        the plan timeline: each model-stage's layout per step, transitions marked;
+- ``predicted.png``   predicted vs measured step seconds, and each transition's predicted vs
+                      measured seconds;
+- ``memory.png``      every rank's measured peak per step against the budget (and the model's
+                      prediction where the controller logged one);
+- ``report.md``       a summary table and the plots.
+
+Lines still being written by a running job (a torn last line) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The valid JSON lines of a file ([] when absent)."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # torn by a running writer
+    return out
+
+
+def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
+    """Write the plots and ``report.md`` (module docstring); returns the report's path. The
+    budget drawn is ``budget_gib``, else the run's ``config.json``'s ``device_memory_gib``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    if budget_gib is None and os.path.exists(os.path.join(run_dir, "config.json")):
+        with open(os.path.join(run_dir, "config.json")) as f:
+            budget_gib = json.load(f).get("device_memory_gib")
+    if not metrics:
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl with a complete step (is it a `nereus train` run directory?)")
+    predictions = read_jsonl(os.path.join(run_dir, "predictions.jsonl"))
+    events = read_jsonl(os.path.join(run_dir, "transitions.jsonl"))
+    moves = [e for e in events if e.get("kind") == "transition"]
+    out = os.path.join(run_dir, "report")
+    os.makedirs(out, exist_ok=True)
+    steps = [m["step"] for m in metrics]
+
+    def mark(ax) -> None:
+        for e in moves:
+            ax.axvline(e["step"] + 0.5, color="tab:red", alpha=0.4, linestyle="--")
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, name), dpi=90)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(steps, [m["reward_mean"] for m in metrics], label="reward")
+    if "task_reward_mean" in metrics[0]:
+        ax.plot(steps, [m.get("task_reward_mean") for m in metrics], label="task reward")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [m["kl"] for m in metrics], color="tab:gray", alpha=0.6, label="KL")
+    ax.set_xlabel("step"), ax.set_ylabel("reward"), ax2.set_ylabel("KL")
+    ax.legend(loc="upper left"), mark(ax)
+    save(fig, "reward.png")
+
+    names = sorted({n for m in metrics for n in m.get("stages", {})})
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for name in names:
+        ax.plot(steps, [m.get("stages", {}).get(name, {}).get("seconds") for m in metrics], label=name)
+    ax.set_xlabel("step"), ax.set_ylabel("seconds"), mark(ax)
+    ax.legend(fontsize=7, ncol=2)
+    save(fig, "stages.png")
+
+    keys = sorted({k for m in metrics for k in m.get("plan", {})})
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * max(len(keys), 1)))
+    for row, key in enumerate(keys):
+        labels = [m.get("plan", {}).get(key, "") for m in metrics]
+        start = 0
+        for i in range(1, len(labels) + 1):
+            if i == len(labels) or labels[i] != labels[start]:
+                ax.barh(row, steps[i - 1] - steps[start] + 1, left=steps[start] - 0.5, alpha=0.5)
+                ax.text(steps[start] - 0.3, row, labels[start], va="center", fontsize=7)
+                start = i
+    ax.set_yticks(range(len(keys)), keys), ax.set_xlabel("step"), mark(ax)
+    save(fig, "plan.png")
+
+    if predictions:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+        ps = [p["step"] for p in predictions]
+        a.plot(ps, [p["step_measured_s"] for p in predictions], label="measured")
+        a.plot(ps, [p["step_predicted_s"] for p in predictions], label="predicted (before the step)")
+        a.set_xlabel("step"), a.set_ylabel("seconds of the model-stages"), a.legend(), mark(a)
+        if moves:
+            xs = range(len(moves))
+            b.bar([x - 0.2 for x in xs], [e.get("predicted_s") or 0 for e in moves], width=0.4, label="predicted")
+            b.bar([x + 0.2 for x in xs], [e["measured_s"] for e in moves], width=0.4, label="measured")
+            b.set_xticks(list(xs), [f"step {e['step']}" for e in moves], fontsize=7)
+            b.set_ylabel("transition seconds"), b.legend()
+        else:
+            b.text(0.5, 0.5, "no transition", ha="center")
+        save(fig, "predicted.png")
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    world = max((len(r["peak_bytes"]) for m in metrics for r in m.get("stages", {}).values()), default=0)
+    for rank in range(world):
+        ax.plot(steps, [max((r["peak_bytes"][rank] for r in m.get("stages", {}).values()), default=0) / 2**30 for m in metrics],
+                label=f"rank {rank} measured", alpha=0.7)
+    if predictions:
+        ax.plot([p["step"] for p in predictions], [max(p["memory"]["predicted_bytes"]) / 2**30 for p in predictions],
+                color="black", linestyle=":", label="model (largest rank)")
+    if budget_gib:
+        ax.axhline(budget_gib, color="tab:red", label="budget")
+    ax.set_xlabel("step"), ax.set_ylabel("GiB"), ax.legend(fontsize=7), mark(ax)
+    save(fig, "memory.png")
+
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as f:
+        f.write(_markdown(run_dir, metrics, predictions, events, moves))
+    return path
+
+
+def _mean(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _markdown(run_dir, metrics, predictions, events, moves) -> str:
+    total = sum(m["step_seconds"] for m in metrics)
+    moved = sum(e["measured_s"] for e in moves)
+    decisions = [e for e in events if e.get("kind") == "decision"]
+    rows = [
+        ("steps", f"{metrics[0]['step']}–{metrics[-1]['step']}"),
+        ("mean step seconds", f"{_mean(m['step_seconds'] for m in metrics):.3f}"),
+        ("reward, first 5 → last 10 steps", f"{_mean(m['reward_mean'] for m in metrics[:5]):.3f} → {_mean(m['reward_mean'] for m in metrics[-10:]):.3f}"),
+        ("decisions (admitted)", f"{len(decisions)} ({sum(1 for d in decisions if d['admitted'])})"),
+        ("transitions, seconds (share of the run)", f"{len(moves)}, {moved:.2f} s ({moved / total:.2%})" if total else "0"),
+    ]
+    if predictions:
+        rows.append(("step-time model, mean error (last 10 steps)", f"{_mean(p['error'] for p in predictions[-10:]):.1%}"))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    plots = "\n\n".join(f"![{name}]({name}.png)" for name in ("reward", "stages", "plan", "predicted", "memory")
+                        if os.path.exists(os.path.join(run_dir, "report", f"{name}.png")))
+    lines = [f"# Report of `{run_dir}`", "", "| | |", "| --- | --- |", table, "", plots, ""]
+    if moves:
+        lines += ["## Transitions", "", "| step | stages | predicted s | measured s | bytes |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {e['step']} | {', '.join(e.get('stages', []))} | {e.get('predicted_s') or 0:.3f} | {e['measured_s']:.3f} | {e.get('bytes', 0)} |"
+                  for e in moves]
+    return "\n".join(lines) + "\n"
