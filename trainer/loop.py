@@ -164,7 +164,7 @@ class Trainer:
         excluded — it gathers whole tensors on rank 0)."""
         from .controller.transition import changed_stages, rebuilt_stages
         from .parallel import release_groups
-        from .stages import stage_process_groups
+        from .stages import stage_group_ranks
 
         t0 = time.perf_counter()
         new_cfg = replace(self.cfg, plan=plan)
@@ -192,19 +192,21 @@ class Trainer:
         self.stages = {**self.stages, **fresh}
         retune()
         self.syncs = self._plan_syncs()
-        release_groups(stage_process_groups(self.stages))
+        release_groups(stage_group_ranks(self.stages))
         return {"stages": changed + retuned, "rebuilt": changed, "bytes": moved, "seconds": time.perf_counter() - t0,
                 "verified": verified, "peak_bytes": peak}
 
     def _build_and_move(self, new_cfg, changed: list[str]) -> tuple[dict, int]:
         """Build the ``changed`` stages of ``new_cfg`` and stream their state into them; the
         fresh stages and the bytes that crossed ranks."""
-        fresh = build_stages(new_cfg, self.rank, self.device, keys=changed)  # groups first: collective, in order
-        error = None
-        try:
+        error, plans = None, {}
+        try:  # every rank's own part, agreed on below before any state moves
+            fresh = build_stages(new_cfg, self.rank, self.device, keys=changed)  # groups first: collective, in order
             for key in changed:
                 if key.endswith(".train") and fresh[key].part is not None:
                     make_optimizer(fresh[key], self._lr(key))
+            for key in changed:
+                plans[key] = plan_transfers(self.stages[key].emus, fresh[key].emus)
         except Exception as e:  # noqa: BLE001 - agreed on below, then raised on every rank
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
         flag = torch.tensor([0.0 if error is None else 1.0])
@@ -212,9 +214,8 @@ class Trainer:
         if flag.item():
             raise RuntimeError(f"plan transition refused before any state moved: {error or 'another rank failed to build'}")
         moved = 0
-        for key in changed:
-            old, new = self.stages[key], fresh[key]
-            transfers = plan_transfers(old.emus, new.emus)
+        for key in changed:  # reshard's agreement fails every rank together, within its deadline
+            old, new, transfers = self.stages[key], fresh[key], plans[key]
             moved += sum(t.nbytes for t in transfers.transfers if t.src_rank != t.dst_rank)
             dst = new.buffers() if new.member else {}
             execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=self.rank, dst_buffers=dst)
@@ -231,6 +232,7 @@ class Trainer:
             new = gather_full(fresh[key].emus, fresh[key].buffers(), self.rank)
             if self.rank == 0:
                 count += len(new)
+                bad += [f"{key}/{n} (missing in the new layout)" for n in old if n not in new]
                 bad += [f"{key}/{n}" for n, t in new.items() if n not in old or not torch.equal(t.view(-1).view(torch.uint8), old[n].view(-1).view(torch.uint8))]
         verdict = [bad, count]
         dist.broadcast_object_list(verdict, src=0)
@@ -655,8 +657,8 @@ def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
                 if log:
                     log.write(metrics)
                 last = metrics
-                if control is not None and trainer.step < cfg.steps:
-                    control.after_step(metrics)
+                if control is not None:  # the last step is observed too, and decides nothing
+                    control.after_step(metrics, decide=trainer.step < cfg.steps)
                 every = cfg.checkpoint_every
                 if (every and trainer.step % every == 0) or trainer.step == cfg.steps:
                     trainer.save()
@@ -708,14 +710,18 @@ class JobControl:
             self.controller.load_state(trainer.restored_state.get("controller", {}))
         trainer.extra_state["controller"] = {}
 
-    def after_step(self, metrics: dict) -> None:
+    def after_step(self, metrics: dict, *, decide: bool = True) -> None:
         trainer, decision = self.trainer, None
         if self.controller is not None:
             try:
                 self.controller.observe(trainer.cfg, metrics)
-                decision = self.controller.decide(trainer.cfg, metrics)
+                decision = self.controller.decide(trainer.cfg, metrics) if decide else None
             except Exception as e:  # noqa: BLE001 - a controller failure never stops the job: the plan stays
                 self.controller.failed(int(metrics["step"]), e)
+        if not decide:  # every rank knows: no broadcast
+            if self.controller is not None:
+                trainer.extra_state["controller"] = self.controller.state_dict()
+            return
         message = [decision.new_plan if decision is not None and decision.admitted else None]
         dist.broadcast_object_list(message, src=0)
         if message[0] is not None:
@@ -723,11 +729,18 @@ class JobControl:
 
             try:
                 done = trainer.apply_plan(_build(PlanConfig, message[0], "plan."), verify=trainer.cfg.controller.verify)
-                peak = torch.tensor([float(done["peak_bytes"])])
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                done["peak_bytes"] = int(peak.item())  # the most any rank held while both layouts lived
             except Exception as e:  # noqa: BLE001 - the old plan keeps running (apply_plan is all or nothing)
                 done = {"error": f"{type(e).__name__}: {e}"}
+            # every rank runs this, failed or not: (failed, committed, peak) over the world
+            agreed = torch.tensor([float("error" in done), float("error" not in done), float(done.get("peak_bytes", 0))])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            if agreed[0].item() and agreed[1].item():
+                raise RuntimeError(
+                    f"plan transition at step {metrics['step']} committed on some ranks and failed on others "
+                    f"({done.get('error', 'this rank committed')}): the job stops; --resume restarts from the last checkpoint"
+                )
+            if "error" not in done:
+                done["peak_bytes"] = int(agreed[2].item())  # the most any rank held while both layouts lived
             release_freed_memory(trainer.device)
             if self.controller is not None:
                 self.controller.transitioned(decision, done)

@@ -123,12 +123,15 @@ def cached_group(ranks: GroupRanks) -> dist.ProcessGroup:
 
 
 
-def release_groups(in_use: Iterable[dist.ProcessGroup]) -> int:
-    """Destroy every cached group not in ``in_use`` (after a plan transition: the old
-    layout's groups). Every rank calls it with the same stages, so every rank destroys the
-    same groups in the same (sorted) order. Returns how many were destroyed."""
-    keep = {id(g) for g in in_use}
-    gone = [ranks for ranks, g in sorted(_GROUPS.items()) if id(g) not in keep]
+def release_groups(in_use: Iterable[GroupRanks]) -> int:
+    """Destroy every cached group whose rank tuple is not in ``in_use`` (after a plan
+    transition: the old layout's groups). ``in_use`` is computed from the plan, the same on
+    every rank (``stages.stage_group_ranks``), never from a rank's own groups: every rank
+    created every group, members and non-members alike, so every rank must drop the same
+    entries (in the same sorted order) or a later ``new_group`` would pair up differently
+    on different ranks. Returns how many were destroyed."""
+    keep = set(in_use)
+    gone = [ranks for ranks in sorted(_GROUPS) if ranks not in keep]
     for ranks in gone:
         group = _GROUPS.pop(ranks)
         if dist.get_rank() in ranks:

@@ -35,7 +35,7 @@ from .config import JobConfig, StageConfig
 from .ppo import LossSums
 from .stage_args import model_args
 from .model import ModelArgs
-from .parallel import StagePart, build_stage, cached_group, optimizer_buffers, stage_buffers, stage_grads, stage_groups
+from .parallel import StagePart, build_stage, cached_group, optimizer_buffers, plan_groups, stage_buffers, stage_grads, stage_groups
 from .pipeline import forward, forward_backward
 from .vllm_engine import VLLMEngine, vllm_emus
 from .vocab_parallel import VocabShard, token_logprobs
@@ -139,15 +139,17 @@ def _stage_group(config: ParallelConfig) -> dist.ProcessGroup | None:
     return cached_group(tuple(sorted(config.ranks)))
 
 
-def stage_process_groups(stages: dict[str, ModelStage]) -> list[dist.ProcessGroup]:
-    """Every process group the model-stages use (theirs and their parts' TP/PP/DP/KV/embed)."""
-    out = []
+def stage_group_ranks(stages: dict[str, ModelStage]) -> set[tuple[int, ...]]:
+    """The rank tuples of every cached group the model-stages use (their own and their
+    layouts' TP/PP/DP/KV/embed groups), from their configs: the same on every rank."""
+    world = list(range(dist.get_world_size()))
+    out: set[tuple[int, ...]] = set()
     for stage in stages.values():
-        out.append(stage.group)
-        if stage.part is not None:
-            g = stage.part.groups
-            out += [g.tp, g.pp, g.dp, g.kv, g.embed]
-    return [g for g in out if g is not None]
+        if sorted(stage.config.ranks) != world:
+            out.add(tuple(sorted(stage.config.ranks)))
+        if stage.engine is None:
+            out.update(r for ranks in plan_groups(stage.config, stage.args.spec).values() for r in ranks)
+    return out
 
 
 def _norm_weights(stage: ModelStage, rank: int) -> dict[str, float]:

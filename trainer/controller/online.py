@@ -98,6 +98,12 @@ class Controller:
         self.step = first_step
         self.nproc = cfg.nproc
         self.pending: dict | None = None
+        if run_dir is not None:  # a resume from step first_step (0: a fresh run) forgets what came after it
+            from ..metrics import _cut_lines
+
+            os.makedirs(run_dir, exist_ok=True)
+            for name in ("predictions.jsonl", "transitions.jsonl"):
+                _cut_lines(os.path.join(run_dir, name), first_step)
 
     # ------------------------------------------------------------------ observing
 
@@ -188,7 +194,7 @@ class Controller:
         common_none = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old,
                            horizon=1.0, urgent=urgent, new_plan=None, new_seconds=None, gain_seconds=0.0, transition_seconds=None)
         try:
-            result = search(cfg, ahead, self.profile, self.model, fit=self.memory)
+            result = search(cfg, ahead, self.profile, self.model, fit=self.memory, top=12)
         except ConfigError as e:  # nothing fits: the running plan goes on (the budget is the model's)
             return self._decided(Decision(**common_none, admitted=False, reason=f"no plan fits: {e}",
                                           decision_ms=(time.perf_counter() - t0) * 1e3))
@@ -200,6 +206,9 @@ class Controller:
                                           new_seconds=old, gain_seconds=0.0, transition_seconds=None,
                                           decision_ms=(time.perf_counter() - t0) * 1e3))
         cost = self.transitions.cost(cfg, cfg.plan, best.plan, budget=int(budget) if budget else None)
+        if urgent:  # it must move: the plan cheapest over the lookahead, transition included, not one just left
+            best, cost = self._cheapest(cfg, result.plans, ahead_steps=min(self.settings.lookahead, max(cfg.steps - self.step, 1)),
+                                        budget=budget, first=(best, cost))
         if budget is not None:  # while a stage moves, its old and new state are both held
             held = self._move_peak(cfg, best.plan) * HEADROOM
             if held > budget:
@@ -227,6 +236,19 @@ class Controller:
             self.pending = {"stages": len(cost.stages), "movement_s": cost.seconds - self.transitions.rebuild * len(cost.stages),
                             "peak_bytes": self._move_peak(cfg, best.plan)}
         return self._decided(decision)
+
+    def _cheapest(self, cfg: JobConfig, plans: list, *, ahead_steps: int, budget: float | None, first):
+        """Of ``plans`` (best first), the one with the least predicted seconds over the coming
+        ``ahead_steps`` plus its transition, skipping plans left within the hysteresis window
+        while another remains: a micro-batch retune (free) beats a rebuild that saves less
+        than it costs, and a layout just left for lack of memory is not re-entered at once."""
+        fresh = [c for c in plans if self.step - self.left.get(plan_key(c.plan), -10**9) >= self.settings.hysteresis]
+        scored = []
+        for choice in fresh or plans:
+            cost = first[1] if choice is first[0] else self.transitions.cost(cfg, cfg.plan, choice.plan, budget=int(budget) if budget else None)
+            scored.append((choice.seconds * ahead_steps + cost.seconds, choice, cost))
+        _, best, cost = min(scored, key=lambda x: x[0])
+        return best, cost
 
     def _predict(self, cfg: JobConfig, plan: PlanConfig, work: Workload, where: Placement) -> float:
         total = 0.0

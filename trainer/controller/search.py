@@ -116,6 +116,14 @@ class SearchResult:
         return self.plans[0]
 
 
+def device_budget(cfg: JobConfig, profile: DeviceProfile) -> float | None:
+    """A rank's memory budget in bytes: ``device_memory_gib``, else a GPU profile's memory
+    (a CPU rank shares the machine's: no default)."""
+    if cfg.device_memory_gib is not None:
+        return cfg.device_memory_gib * GIB
+    return profile.memory_gib * GIB if profile.kind != "cpu" and profile.memory_gib else None
+
+
 def _pow2(limit: int) -> list[int]:
     return [1 << i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
 
@@ -212,7 +220,7 @@ def search(
     t0 = time.perf_counter()
     model = model or StepTimeModel.for_profile(profile)
     where = Placement(nproc=cfg.nproc, profile=profile)
-    budget = cfg.device_memory_gib * GIB if cfg.device_memory_gib is not None else None
+    budget = device_budget(cfg, profile)
     choices: list[PlanChoice] = []
     counted, smallest, notes = 0, math.inf, []
     vllm_fixed = cfg.rollout.engine == "vllm"
@@ -235,7 +243,7 @@ def search(
             none = fit.terms(rank_class(()))
             partial: list[tuple] = [(0.0, (0, 0), (0, 0), (), ((), ()), (none, none))]
             classes: dict = {}  # (kinds of a group, key, kind) -> (its kinds, their correction)
-            for key, front in fronts.items():
+            for depth, (key, front) in enumerate(fronts.items(), 1):
                 grown = []
                 train = key.endswith(".train")
                 for secs, res, tr, picked, kinds, corr in partial:
@@ -255,7 +263,10 @@ def search(
                             co = (got[1], corr[1]) if g == 0 else (corr[0], got[1])
                         grown.append((secs + c.seconds, tuple(r), tuple(t), (*picked, c), k, co))
                 partial, worst = _prune(grown, budget, beam)
-                smallest = min(smallest, worst)
+                if depth == len(fronts) or not partial:  # complete plans, or the stage where all went over
+                    smallest = min(smallest, worst)
+                if not partial:
+                    break
             for secs, res, tr, picked, kinds, _ in partial:
                 plan = _plan(cfg, picked)
                 peaks = {g: fit.peak(res[g], tr[g], rank_class(kinds[g])) * HEADROOM for g in sorted({c.group for c in picked})}
@@ -265,8 +276,9 @@ def search(
     ms = (time.perf_counter() - t0) * 1e3
     if not choices:
         if budget is not None and smallest < math.inf:
+            named = f"device_memory_gib={cfg.device_memory_gib:g}" if cfg.device_memory_gib is not None else f"the {profile.name}'s {profile.memory_gib:g} GiB"
             raise ConfigError(
-                f"no plan of {cfg.nproc} ranks fits device_memory_gib={cfg.device_memory_gib:g}: the smallest peak found "
+                f"no plan of {cfg.nproc} ranks fits {named}: the smallest peak found "
                 f"is {gib(smallest)} GiB with 10% headroom, {gib(smallest - budget)} GiB over"
             )
         raise ConfigError(f"no plan of {cfg.nproc} ranks runs this job: {'; '.join(notes) or 'no layout fits'}")

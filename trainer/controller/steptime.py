@@ -137,7 +137,7 @@ def stage_features(
         prefill_tokens = rows * work.prompt
         # step s attends over prompt + s cached tokens: Σ_s (P + s) = new·P + new(new − 1)/2
         attended = new * work.prompt + new * (new - 1) / 2
-        decode_flops = new * 2 * rows * (layers * _layer_params(spec, t) + head) + 4 * rows * attended * hd / t * layers
+        decode_flops = new * rows * (2 * layers * _layer_params(spec, t) + head) + 4 * rows * attended * hd / t * layers  # head: FLOPs per token
         f["gemm"] = (2 * prefill_tokens * layers * _layer_params(spec, t) + decode_flops) / flops
         f["ops"] = (layers * OPS_PER_LAYER + OPS_HEAD) * dispatch
         f["decode"] = new * (layers * OPS_PER_LAYER + OPS_SAMPLE) * dispatch

@@ -47,6 +47,29 @@ def test_nereus_plan_with_a_budget_no_plan_fits_says_the_smallest_peak():
     assert result.exit_code == 2
     assert "no plan of 64 ranks fits device_memory_gib=8: the smallest peak found is" in result.output
     assert "Traceback" not in result.output
+    import re
+
+    peak, over = map(float, re.search(r"is ([\d.e+-]+) GiB with 10% headroom, ([\d.e+-]+) GiB over", result.output).groups())
+    assert over > 0 and abs(peak - over - 8) < 0.02 * peak  # a complete plan's peak, over the budget by what it says
+
+
+def test_just_under_the_smallest_peak_the_error_names_that_peak():
+    """The smallest peak of a complete plan, not of a partial one: over the budget by what it says."""
+    import re
+
+    grpo = os.path.join(ROOT, "configs", "tiny_grpo.yaml")
+    lo, hi = 0.0, 1.0  # GiB: no plan fits lo, some plan fits hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        try:
+            load_config(grpo, ["plan=auto", f"device_memory_gib={mid}"])
+            hi = mid
+        except ConfigError:
+            lo = mid
+    with pytest.raises(ConfigError) as e:
+        load_config(grpo, ["plan=auto", f"device_memory_gib={lo}"])
+    peak, over = map(float, re.search(r"is ([\d.e+-]+) GiB with 10% headroom, ([\d.e+-]+) GiB over", str(e.value)).groups())
+    assert over > 0 and peak == pytest.approx(hi, rel=0.01)
 
 
 @pytest.mark.parametrize(

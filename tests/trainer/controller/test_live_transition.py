@@ -63,9 +63,16 @@ def _transition(rank: int, world: int, run_dir: str, fail_on: int | None) -> dic
         loop.make_optimizer = real
     after = _state(trainer, rank)
     metrics = trainer.run_step()  # the job goes on, in whichever plan it is in
+    plan_kept, back = trainer.cfg.plan == old_plan, None
+    if fail_on is None:  # and back: the old layout's groups were released on every rank alike
+        before_back = _state(trainer, rank)
+        trainer.apply_plan(old_plan)
+        after_back = _state(trainer, rank)
+        back = {"equal": rank != 0 or all(np.array_equal(before_back[k], after_back[k]) for k in before_back),
+                "loss": trainer.run_step()["actor/loss"], "plan_back": trainer.cfg.plan == old_plan}
     return {
         "before": before if rank == 0 else None, "after": after if rank == 0 else None, "error": error, "done": done,
-        "plan_kept": trainer.cfg.plan == old_plan, "loss": metrics["actor/loss"],
+        "plan_kept": plan_kept, "loss": metrics["actor/loss"], "back": back,
     }
 
 
@@ -81,6 +88,8 @@ def test_every_parameter_and_adamw_tensor_survives_a_transition_exactly(tmp_path
     for key in before:
         assert before[key].dtype == after[key].dtype and np.array_equal(before[key], after[key]), key
     assert np.isfinite(r["loss"])
+    for rank, other in enumerate(results):  # a second transition, back to the first plan
+        assert other["back"]["plan_back"] and other["back"]["equal"] and np.isfinite(other["back"]["loss"]), rank
 
 
 @pytest.mark.timeout(300)

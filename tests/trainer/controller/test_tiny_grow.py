@@ -55,13 +55,13 @@ def test_the_controller_switches_before_the_plan_outgrows_the_budget(tmp_path):
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last >= THRESHOLD, f"reward over the last 10 steps {last:.3f}"
     predictions = lines(tmp_path / "predictions.jsonl")
-    assert len(predictions) == cfg.steps - 1 and all("step_predicted_s" in p for p in predictions)
+    assert len(predictions) == cfg.steps and all("step_predicted_s" in p for p in predictions)
     report = runner.invoke(app, ["report", str(tmp_path)])
     assert report.exit_code == 0 and (tmp_path / "report" / "plan.png").exists(), report.output
 
 
 # Reproducible decisions: the profile's priors, no drift triggers, a budget the raw memory
-# model crosses at step ~5 (it moves actor.train to FSDP); a checkpoint at step 8, after the
+# model crosses at step ~5 (it retunes actor.train's micro-batches); a checkpoint at step 8, after the
 # transition; a lookahead of one step, so that the 8-step first half decides as the 12-step run
 # does. The budget is the uncalibrated model's: the measured peaks are not checked here.
 RESUME = ["controller.calibrate=false", "controller.drift=1000", "controller.lookahead=1", "device_memory_gib=0.055", "checkpoint_every=8"]
@@ -77,10 +77,11 @@ def test_resume_after_a_transition_restarts_in_the_new_plan_and_repeats_the_loss
     a, b = lines(whole / "metrics.jsonl"), lines(split / "metrics.jsonl")
     moves = [e for e in lines(whole / "transitions.jsonl") if e["kind"] == "transition"]
     assert moves and moves[0]["step"] < 8, moves
-    # a rebuilt stage: every parameter and AdamW tensor gathered and compared bit for bit
-    assert moves[0]["rebuilt"] == ["actor.train"] and moves[0]["verified_tensors"] > 0, moves
+    assert all((m["verified_tensors"] > 0) == bool(m["rebuilt"]) for m in moves), moves
     assert b[8]["plan"] == a[8]["plan"] != a[0]["plan"]  # step 9 of the resumed run: the transitioned plan
     assert [r["plan"] for r in b] == [r["plan"] for r in a]  # and it goes on deciding as the whole run did
+    for log in ("transitions.jsonl", "predictions.jsonl"):  # cut back to the checkpoint, not appended twice
+        assert [(e["step"], e.get("kind")) for e in lines(split / log)] == [(e["step"], e.get("kind")) for e in lines(whole / log)], log
     keys = ("step", "actor/loss", "actor/grad_norm", "reward_mean", "kl")
     assert [[r[k] for k in keys] for r in b] == [[r[k] for k in keys] for r in a]
     # nereus report on a job still writing (a torn last line): plots and a summary
