@@ -24,8 +24,8 @@ def plan(
 
     overrides = list(set_) + ([f"nproc={nproc}"] if nproc is not None else [])
     try:
-        cfg, result, current = run_search(resolve_config(config), overrides, top=top)
+        cfg, result, current, skipped = run_search(resolve_config(config), overrides, top=top)
     except (ConfigError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(json.dumps(plan_json(cfg, result, current), indent=2) if as_json else plan_table(cfg, result, current))
+    typer.echo(json.dumps(plan_json(cfg, result, current, skipped), indent=2) if as_json else plan_table(cfg, result, current, skipped))

@@ -17,7 +17,7 @@ def report(
 
     try:
         path = make_report(run_dir, budget_gib=budget)
-    except (FileNotFoundError, OSError) as e:
+    except (OSError, ValueError) as e:  # a missing or damaged run directory
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(path)

@@ -48,21 +48,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from bench_train import LAYOUTS, layout_plan  # noqa: E402 - the same training layouts, named the same
 
 DEVICES = (32, 256, 1024, 4096)
 DECISION_BAR_MS, CALIBRATION_BAR, ADAPTIVE_BAR, SHARE_BAR = 50.0, 0.15, 1.15, 0.02
 LLAMA = ROOT / "configs" / "llama3_8b_ppo.yaml"
 TINY_PPO = ROOT / "configs" / "tiny_ppo.yaml"
 TINY_GROW = ROOT / "configs" / "tiny_grow.yaml"
-LAYOUTS = {  # actor.train and critic.train together; the first three calibrate
-    "dp4": dict(dp=4, tp=1, pp=1, dp_shard="false"),
-    "dp2·tp2": dict(dp=2, tp=2, pp=1, dp_shard="false"),
-    "tp2·pp2": dict(dp=1, tp=2, pp=2, dp_shard="false"),
-    "dp4 FSDP": dict(dp=4, tp=1, pp=1, dp_shard="true"),
-    "tp4": dict(dp=1, tp=4, pp=1, dp_shard="false"),
-    "dp2·pp2 FSDP": dict(dp=2, tp=1, pp=2, dp_shard="true"),
-}
-CALIBRATE_ON = 3
+CALIBRATE = ("dp4", "dp2·tp2", "tp2·pp2")  # bench_train's training layouts (actor.train and critic.train)
+PREDICT = ("dp4 FSDP", "tp4", "dp2·pp2 FSDP")
+CALIBRATE_ON = len(CALIBRATE)
 MOVED = ("actor.train", "critic.train", "actor.train.infer", "critic.train.infer")
 
 
@@ -148,9 +144,8 @@ def calibration(warmup: int = 2, steps: int = 4) -> dict:
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="nereus-bench-controller-") as tmp:
-        for i, (name, layout) in enumerate(LAYOUTS.items()):
-            sets = [f"run_dir={tmp}/{i}", "checkpoint_every=0", f"steps={warmup + steps}"]
-            sets += [f"plan.{m}.train.{k}={v}" for m in ("actor", "critic") for k, v in layout.items()]
+        for i, name in enumerate(CALIBRATE + PREDICT):
+            sets = [f"run_dir={tmp}/{i}", "checkpoint_every=0", f"steps={warmup + steps}", *layout_plan(LAYOUTS[name])]
             cfg = load_config(TINY_PPO, sets)
             runs.append((name, cfg, run_job(cfg)[warmup:]))
             print(f"  ran {name}", file=sys.stderr, flush=True)
@@ -171,8 +166,8 @@ def calibration(warmup: int = 2, steps: int = 4) -> dict:
             rows.append({"layout": name, "piece": piece, "measured_s": measured, "predicted_s": predicted,
                          "prior_s": raw[piece][1], "error": err})
     return {"rows": rows, "coef": dict(ctl.model.coef), "calibration_error": statistics.mean(moved),
-            "calibration_error_all": statistics.mean(every), "calibrated_on": list(LAYOUTS)[:CALIBRATE_ON],
-            "predicted": list(LAYOUTS)[CALIBRATE_ON:]}
+            "calibration_error_all": statistics.mean(every), "calibrated_on": list(CALIBRATE),
+            "predicted": list(PREDICT)}
 
 
 # --------------------------------------------------------------------------- 3. adaptive vs fixed

@@ -253,6 +253,15 @@ class JobConfig:
         """Responses per step: prompts × samples per prompt."""
         return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
 
+    @property
+    def on_policy(self) -> bool:
+        """One update per step and nothing before training reads the old log-probs (GRPO, or
+        PPO with ``kl_in_reward: false``): π_old is the current policy, and the old-log-prob
+        forward is skipped."""
+        hp = self.ppo if self.algorithm == "ppo" else self.grpo
+        one_update = hp.epochs == 1 and hp.minibatch_size >= self.batch_size
+        return one_update and (self.algorithm == "grpo" or not self.ppo.kl_in_reward)
+
     def stage_model(self, stage: str) -> tuple[str, ModelConfig, str]:
         """(config key, model config, head) of a dotted model-stage name."""
         model = stage.split(".")[0]
@@ -458,8 +467,14 @@ def _seed_plan(data: Mapping) -> dict:
     one = {"ranks": [0]}
     algorithm = data.get("algorithm", "ppo")
     hp = data.get(algorithm) or {}
-    vllm = (data.get("rollout") or {}).get("engine") == "vllm"
-    plan: dict = {"actor": {"train": one, "gen": {"dp": data.get("nproc", 1), "fused": True} if vllm else one}}
+    rollout = {**dataclasses.asdict(RolloutConfig()), **(data.get("rollout") or {})}
+    gen = one
+    if rollout["engine"] == "vllm":  # vLLM runs on every rank, its replicas splitting the rows
+        n, rows, tp = data.get("nproc", 1), rollout["prompts_per_step"] * rollout["samples_per_prompt"], 1
+        while tp < n and rows % (n // tp):
+            tp *= 2
+        gen = {"dp": n // tp, "tp": tp, "fused": True}
+    plan: dict = {"actor": {"train": one, "gen": gen}}
     if algorithm == "ppo":
         plan["critic"] = {"train": one}
     if hp.get("kl_coef", 0.01) > 0:

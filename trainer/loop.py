@@ -112,7 +112,6 @@ class Trainer:
         self.device = worker_device(cfg) if device is None else torch.device(device)
         self.task: Task = build_task(cfg.task)
         self.stages = build_stages(cfg, self.rank, self.device)
-        hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
         for key, stage in self.stages.items():
             if stage.part is not None:  # a vLLM actor.gen has no module: the first sync fills it
                 source, model, head = cfg.stage_model(key)
@@ -126,8 +125,7 @@ class Trainer:
             if key.endswith(".train"):
                 make_optimizer(stage, self._lr(key))
         self.syncs = self._plan_syncs()
-        one_update = hp.epochs == 1 and hp.minibatch_size >= cfg.batch_size
-        self.on_policy = one_update and (cfg.algorithm == "grpo" or not cfg.ppo.kl_in_reward)
+        self.on_policy = cfg.on_policy
         self.step = 0
         self.meter = StageMeter(self.device, baseline)
         self.extra_state: dict = {}  # JSON-able state saved with every checkpoint (the controller's)
@@ -696,16 +694,13 @@ class JobControl:
     every rank applies the decision it broadcasts (module docstring of ``controller``)."""
 
     def __init__(self, trainer: Trainer, first_step: int) -> None:
-        from .controller.online import Controller, ControllerSettings
+        from .controller.online import Controller
         from .controller.profiles import load_profile
 
         self.trainer = trainer
-        c = trainer.cfg.controller
-        settings = ControllerSettings(drift=c.drift, gamma=c.gamma, hysteresis=c.hysteresis, calibrate=c.calibrate,
-                                      lookahead=c.lookahead)
         self.controller = None
         if trainer.rank == 0:
-            self.controller = Controller(trainer.cfg, load_profile(trainer.cfg.device_profile), settings,
+            self.controller = Controller(trainer.cfg, load_profile(trainer.cfg.device_profile),
                                          run_dir=trainer.cfg.run_dir, first_step=first_step)
             self.controller.load_state(trainer.restored_state.get("controller", {}))
         trainer.extra_state["controller"] = {}

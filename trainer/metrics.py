@@ -55,7 +55,7 @@ class MetricsLog:
     def __init__(self, run_dir: str, *, total: int, first_step: int = 0) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        _cut_lines(self.path, first_step)
+        cut_lines(self.path, first_step)
         self.file = open(self.path, "a", buffering=1)
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -84,7 +84,7 @@ class MetricsLog:
             self.bar.close()
 
 
-def _cut_lines(path: str, last_step: int) -> None:
+def cut_lines(path: str, last_step: int) -> None:
     """Keep only the valid JSON lines of ``path`` with ``step <= last_step``, atomically
     (one writer: rank 0 of the job that owns the run directory)."""
     kept = []

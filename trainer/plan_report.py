@@ -7,36 +7,29 @@ from collections.abc import Sequence
 from .config import ConfigError, JobConfig, config_to_dict, load_config
 from .controller.memory import GIB
 from .controller.profiles import ProfileError, load_profile
-from .controller.search import PlanChoice, SearchResult, search
-from .controller.steptime import Placement, StepTimeModel, stage_features, sync_features
+from .controller.search import PlanChoice, SearchResult, plan_seconds, search
+from .controller.steptime import Placement, StepTimeModel
 from .controller.workload import Workload
 
 
-def run_search(source, overrides: Sequence[str], *, top: int = 5) -> tuple[JobConfig, SearchResult, dict | None]:
-    """Load the job, search its plans; also price the config's own plan (None for ``plan: auto``,
-    and when the config's plan does not fit the world asked for: the search plans for it alone)."""
+def run_search(source, overrides: Sequence[str], *, top: int = 5) -> tuple[JobConfig, SearchResult, dict | None, str | None]:
+    """Load the job and search its plans; also price the config's own plan. When that plan
+    cannot run here (another ``--nproc``, a tighter budget), the search plans alone
+    (``plan: auto``): no price, and the reason it was skipped. Errors the search shares
+    (unknown keys, a budget no plan fits) are raised."""
     try:
-        cfg = load_config(source, list(overrides))
+        cfg, skipped = load_config(source, list(overrides)), None
     except ConfigError as e:
-        if not any(o.startswith("nproc=") for o in overrides) or "needs" not in str(e) or "ranks" not in str(e):
-            raise
-        cfg = load_config(source, [*overrides, "plan=auto"])
-        return cfg, search(cfg, Workload.from_config(cfg), load_profile(cfg.device_profile), top=top), None
+        cfg, skipped = load_config(source, [*overrides, "plan=auto"]), str(e)
     try:
         profile = load_profile(cfg.device_profile)
     except ProfileError as e:
         raise ConfigError(f"config key 'device_profile': {e}") from None
     work = Workload.from_config(cfg)
     result = search(cfg, work, profile, top=top)
-    model = StepTimeModel.for_profile(profile)
-    where = Placement(nproc=cfg.nproc, profile=profile)
-    current = {}
-    for key, sc in cfg.plan.stages().items():
-        seconds = model.predict(stage_features(cfg, key, sc, work, where))
-        if key in ("actor.gen", "critic.infer"):
-            seconds += model.predict(sync_features(cfg, key, sc, where))
-        current[key] = seconds
-    return cfg, result, current
+    if skipped is not None:
+        return cfg, result, None, skipped
+    return cfg, result, plan_seconds(cfg, cfg.plan, work, Placement(nproc=cfg.nproc, profile=profile), StepTimeModel.for_profile(profile)), None
 
 
 def _label(sc) -> str:
@@ -48,7 +41,7 @@ def _label(sc) -> str:
     return "·".join(parts)
 
 
-def plan_table(cfg: JobConfig, result: SearchResult, current: dict | None) -> str:
+def plan_table(cfg: JobConfig, result: SearchResult, current: dict | None, skipped: str | None = None) -> str:
     keys = list(cfg.plan.stages())
     budget = f"{cfg.device_memory_gib:g} GiB" if cfg.device_memory_gib is not None else "no budget"
     lines = [
@@ -67,15 +60,18 @@ def plan_table(cfg: JobConfig, result: SearchResult, current: dict | None) -> st
         cells = [f"{_label(stages[k])} ({current[k]:.3g} s)" for k in keys]
         lines.append(f"| config's plan | {sum(current.values()):.4g} | " + " | ".join(cells) + " | |")
     lines.append("")
+    if skipped is not None:
+        lines.append(f"The config's own plan cannot run here ({skipped}); the search planned from scratch.")
     lines.append("Predictions use the device profile's priors; a running job calibrates them (controller.enabled).")
     return "\n".join(lines)
 
 
-def plan_json(cfg: JobConfig, result: SearchResult, current: dict | None) -> dict:
+def plan_json(cfg: JobConfig, result: SearchResult, current: dict | None, skipped: str | None = None) -> dict:
     def one(c: PlanChoice) -> dict:
         return {"plan": config_to_dict(c.plan), "step_seconds": c.seconds, "stage_seconds": c.stage_seconds,
                 "peak_gib": {str(g): b / GIB for g, b in c.peak_bytes.items()}, "placement": c.placement}
 
     return {"nproc": cfg.nproc, "device_profile": cfg.device_profile, "budget_gib": cfg.device_memory_gib,
             "candidates": result.candidates, "decision_ms": result.milliseconds, "plans": [one(c) for c in result.plans],
-            "config_plan": None if current is None else {"stage_seconds": current, "step_seconds": sum(current.values())}}
+            "config_plan": None if current is None else {"stage_seconds": current, "step_seconds": sum(current.values())},
+            "config_plan_skipped": skipped}

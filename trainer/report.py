@@ -12,7 +12,8 @@ and ``transitions.jsonl``) and writes, under ``RUN_DIR/report/``:
                       prediction where the controller logged one);
 - ``report.md``       a summary table and the plots.
 
-Lines still being written by a running job (a torn last line) are skipped.
+Records that are not whole (a line a running job is still writing, a damaged one) are left
+out, and ``report.md`` names them.
 """
 
 from __future__ import annotations
@@ -22,17 +23,23 @@ import os
 from collections.abc import Iterable
 
 
-def read_jsonl(path: str) -> list[dict]:
-    """The valid JSON lines of a file ([] when absent)."""
+def read_jsonl(path: str, required: tuple[str, ...] = ("step",), skipped: list | None = None) -> list[dict]:
+    """The records of a JSONL file that are JSON objects holding every ``required`` key
+    ([] when absent). Others — a line torn by a running writer, a damaged one — are left
+    out and, with ``skipped``, appended there as ``path:line``."""
     if not os.path.exists(path):
         return []
     out = []
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
-                continue  # torn by a running writer
+                record = None
+            if isinstance(record, dict) and all(k in record for k in required):
+                out.append(record)
+            elif skipped is not None:
+                skipped.append(f"{os.path.basename(path)}:{number}")
     return out
 
 
@@ -44,15 +51,20 @@ def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    skipped: list[str] = []
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"), ("step", "reward_mean", "kl", "step_seconds"), skipped)
     if budget_gib is None and os.path.exists(os.path.join(run_dir, "config.json")):
         with open(os.path.join(run_dir, "config.json")) as f:
-            budget_gib = json.load(f).get("device_memory_gib")
+            try:
+                budget_gib = json.load(f).get("device_memory_gib")
+            except (ValueError, AttributeError):
+                raise ValueError(f"{run_dir}/config.json is not a job config (pass --budget)") from None
     if not metrics:
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl with a complete step (is it a `nereus train` run directory?)")
-    predictions = read_jsonl(os.path.join(run_dir, "predictions.jsonl"))
-    events = read_jsonl(os.path.join(run_dir, "transitions.jsonl"))
-    moves = [e for e in events if e.get("kind") == "transition"]
+    predictions = read_jsonl(os.path.join(run_dir, "predictions.jsonl"),
+                             ("step", "step_measured_s", "step_predicted_s", "error", "memory"), skipped)
+    events = read_jsonl(os.path.join(run_dir, "transitions.jsonl"), ("step", "kind"), skipped)
+    moves = [e for e in events if e["kind"] == "transition" and "measured_s" in e]
     out = os.path.join(run_dir, "report")
     os.makedirs(out, exist_ok=True)
     steps = [m["step"] for m in metrics]
@@ -128,7 +140,7 @@ def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
 
     path = os.path.join(out, "report.md")
     with open(path, "w") as f:
-        f.write(_markdown(run_dir, metrics, predictions, events, moves))
+        f.write(_markdown(run_dir, metrics, predictions, events, moves, skipped))
     return path
 
 
@@ -137,17 +149,19 @@ def _mean(xs: Iterable[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _markdown(run_dir, metrics, predictions, events, moves) -> str:
+def _markdown(run_dir, metrics, predictions, events, moves, skipped) -> str:
     total = sum(m["step_seconds"] for m in metrics)
     moved = sum(e["measured_s"] for e in moves)
-    decisions = [e for e in events if e.get("kind") == "decision"]
+    decisions = [e for e in events if e["kind"] == "decision"]
     rows = [
         ("steps", f"{metrics[0]['step']}–{metrics[-1]['step']}"),
         ("mean step seconds", f"{_mean(m['step_seconds'] for m in metrics):.3f}"),
         ("reward, first 5 → last 10 steps", f"{_mean(m['reward_mean'] for m in metrics[:5]):.3f} → {_mean(m['reward_mean'] for m in metrics[-10:]):.3f}"),
-        ("decisions (admitted)", f"{len(decisions)} ({sum(1 for d in decisions if d['admitted'])})"),
+        ("decisions (admitted)", f"{len(decisions)} ({sum(1 for d in decisions if d.get('admitted'))})"),
         ("transitions, seconds (share of the run)", f"{len(moves)}, {moved:.2f} s ({moved / total:.2%})" if total else "0"),
     ]
+    if skipped:
+        rows.append(("records left out (torn or damaged)", ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")))
     if predictions:
         rows.append(("step-time model, mean error (last 10 steps)", f"{_mean(p['error'] for p in predictions[-10:]):.1%}"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)

@@ -32,7 +32,10 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.0")  # rope_parameters
+import transformers  # the test extra pins >= 5.0 (rope_parameters): a missing or old one fails, never skips
+
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"the HF parity tests need transformers >= 5.0 (pip install -e '.[test]'), found {transformers.__version__}")
 
 from nereus.reshard.derive import DecoderSpec, plan_parameters  # noqa: E402
 from nereus.reshard.layout import ParallelConfig  # noqa: E402

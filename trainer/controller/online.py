@@ -22,36 +22,26 @@ import json
 import os
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
 from .admission import Decision, DriftWatch, admit
-from .memory import GIB, HEADROOM, gib, plan_memory
+from .memory import HEADROOM, gib, plan_memory
 from .profiles import DeviceProfile
-from .search import SYNCED, MemoryFit, rank_class, search
+from .search import MemoryFit, device_budget, plan_seconds, rank_class, search
 from .steptime import Placement, StepTimeModel, stage_features, sync_features
 from .transition import TransitionModel, transition_peak
 from .workload import Workload
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ControllerSettings:
-    drift: float = 0.3
-    gamma: float = 0.5
-    hysteresis: int = 8
-    min_band: float = 0.05
-    """The smallest error band used, however well the model has fitted so far."""
-    calibrate: bool = True
-    """False: keep the device profile's priors (decisions depend on lengths and memory alone)."""
-    lookahead: int = 8
-    """Steps ahead whose (extrapolated) workload a new plan must fit and is chosen for, so
-    that growing lengths do not force a transition every step."""
-    unseen_margin: float = 0.25
-    """A class of training layouts (``search.rank_class``) the job has not run yet is priced
-    at the largest correction measured plus this share of the model's peak: FSDP2's, TP's and
-    PP's buffers are what the model counts least well (on CPU FSDP2 measured ~20% over it)."""
+MIN_BAND = 0.05
+"""The smallest error band used, however well the step-time model has fitted so far."""
+UNSEEN_MARGIN = 0.25
+"""A class of training layouts (``search.rank_class``) the job has not run yet is priced at
+the largest correction measured plus this share of the model's peak: FSDP2's, TP's and PP's
+buffers are what the model counts least well (on CPU FSDP2 measured ~20% over it)."""
 
 
 def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) -> dict[str, float] | None:
@@ -82,8 +72,8 @@ def plan_key_of(plan: dict) -> str:
 class Controller:
     """See the module docstring. ``run_dir`` None: no log files (``nereus plan``, tests)."""
 
-    def __init__(self, cfg: JobConfig, profile: DeviceProfile, settings: ControllerSettings = ControllerSettings(),
-                 *, run_dir: str | None = None, first_step: int = 0) -> None:
+    def __init__(self, cfg: JobConfig, profile: DeviceProfile, *, run_dir: str | None = None, first_step: int = 0) -> None:
+        settings = cfg.controller  # drift, gamma, hysteresis, calibrate, lookahead (``config.ControllerConfig``)
         self.profile, self.settings, self.run_dir = profile, settings, run_dir
         self.model = StepTimeModel.for_profile(profile)
         self.memory = MemoryFit()
@@ -99,18 +89,18 @@ class Controller:
         self.nproc = cfg.nproc
         self.pending: dict | None = None
         if run_dir is not None:  # a resume from step first_step (0: a fresh run) forgets what came after it
-            from ..metrics import _cut_lines
+            from ..metrics import cut_lines
 
             os.makedirs(run_dir, exist_ok=True)
             for name in ("predictions.jsonl", "transitions.jsonl"):
-                _cut_lines(os.path.join(run_dir, name), first_step)
+                cut_lines(os.path.join(run_dir, name), first_step)
 
     # ------------------------------------------------------------------ observing
 
     @property
     def band(self) -> float:
         """The step-time model's mean relative error on this job so far (out of sample)."""
-        return max(self.settings.min_band, sum(self.errors) / len(self.errors)) if self.errors else 0.5
+        return max(MIN_BAND, sum(self.errors) / len(self.errors)) if self.errors else 0.5
 
     def observe(self, cfg: JobConfig, metrics: dict) -> dict:
         """Log predictions beside the measurements of step ``metrics["step"]``, then
@@ -155,7 +145,7 @@ class Controller:
             # each step starts from a trimmed heap (trainer/observe.py): every step's peak is its own
             self.memory_samples.append((cls, resident, transient, measured[rank]))
         if self.settings.calibrate:
-            self.memory = fit_memory(list(self.memory_samples), unseen=self.settings.unseen_margin)
+            self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
         return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes}
 
     # ------------------------------------------------------------------ deciding
@@ -174,11 +164,12 @@ class Controller:
         """The decision before the coming step, or None when nothing triggered."""
         t0 = time.perf_counter()
         work = Workload.observed(cfg, self.lengths)  # the coming step: does the running plan fit it?
-        ahead = Workload.observed(cfg, self.lengths, ahead=min(self.settings.lookahead, max(cfg.steps - self.step, 1)))
+        ahead_steps = min(self.settings.lookahead, max(cfg.steps - self.step, 1))
+        ahead = Workload.observed(cfg, self.lengths, ahead=ahead_steps)
         where = Placement(nproc=cfg.nproc, profile=self.profile)
         old = self._predict(cfg, cfg.plan, ahead, where)
         triggers, urgent = [], False
-        budget = cfg.device_memory_gib * GIB if cfg.device_memory_gib is not None else None
+        budget = device_budget(cfg, self.profile)
         if budget is not None and self._peak(cfg, cfg.plan, work) > budget:
             triggers.append("infeasible")
             urgent = True
@@ -191,24 +182,21 @@ class Controller:
         if not triggers:
             return None
         self.watch.reset(signals)
-        common_none = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old,
-                           horizon=1.0, urgent=urgent, new_plan=None, new_seconds=None, gain_seconds=0.0, transition_seconds=None)
+        horizon = max((self.watch.horizon(n) for n in drifted), default=1.0)
+        common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
         try:
             result = search(cfg, ahead, self.profile, self.model, fit=self.memory, top=12)
         except ConfigError as e:  # nothing fits: the running plan goes on (the budget is the model's)
-            return self._decided(Decision(**common_none, admitted=False, reason=f"no plan fits: {e}",
-                                          decision_ms=(time.perf_counter() - t0) * 1e3))
+            return self._decided(Decision(**common, admitted=False, reason=f"no plan fits: {e}", new_plan=None, new_seconds=None,
+                                          gain_seconds=0.0, transition_seconds=None, decision_ms=(time.perf_counter() - t0) * 1e3))
         best = result.best
-        horizon = max((self.watch.horizon(n) for n in drifted), default=1.0)
-        common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
         if plan_key(best.plan) == plan_key(cfg.plan):
             return self._decided(Decision(**common, admitted=False, reason="the running plan is the best", new_plan=None,
                                           new_seconds=old, gain_seconds=0.0, transition_seconds=None,
                                           decision_ms=(time.perf_counter() - t0) * 1e3))
         cost = self.transitions.cost(cfg, cfg.plan, best.plan, budget=int(budget) if budget else None)
         if urgent:  # it must move: the plan cheapest over the lookahead, transition included, not one just left
-            best, cost = self._cheapest(cfg, result.plans, ahead_steps=min(self.settings.lookahead, max(cfg.steps - self.step, 1)),
-                                        budget=budget, first=(best, cost))
+            best, cost = self._cheapest(cfg, result.plans, ahead_steps=ahead_steps, budget=budget, first=(best, cost))
         if budget is not None:  # while a stage moves, its old and new state are both held
             held = self._move_peak(cfg, best.plan) * HEADROOM
             if held > budget:
@@ -251,12 +239,7 @@ class Controller:
         return best, cost
 
     def _predict(self, cfg: JobConfig, plan: PlanConfig, work: Workload, where: Placement) -> float:
-        total = 0.0
-        for key, sc in plan.stages().items():
-            total += self.model.predict(stage_features(cfg, key, sc, work, where))
-            if key in SYNCED:
-                total += self.model.predict(sync_features(cfg, key, sc, where))
-        return total
+        return sum(plan_seconds(cfg, plan, work, where, self.model).values())
 
     def _peak(self, cfg: JobConfig, plan: PlanConfig, work: Workload) -> float:
         """The largest calibrated per-rank peak, with headroom."""

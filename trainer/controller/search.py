@@ -163,20 +163,39 @@ def stage_options(cfg: JobConfig, key: str, ranks: tuple[int, ...], work: Worklo
     return out
 
 
-def _price(cfg: JobConfig, key: str, sc: StageConfig, work: Workload, where: Placement, model: StepTimeModel, group: int, args) -> Candidate:
+def stage_seconds(cfg: JobConfig, key: str, sc: StageConfig, work: Workload, where: Placement, model: StepTimeModel, args=None) -> float:
+    """Predicted seconds of model-stage ``key`` under ``sc``: the weight sync that fills it
+    included, and for a training stage its own forward where the step runs one (the actor's
+    old log-probs off-policy; the critic's values without a ``critic.infer``)."""
     seconds = model.predict(stage_features(cfg, key, sc, work, where, args=args))
     if key in SYNCED:
         seconds += model.predict(sync_features(cfg, key, sc, where, args=args))
+    if (key == "actor.train" and not cfg.on_policy) or (key == "critic.train" and "critic.infer" not in cfg.plan.stages()):
+        seconds += model.predict(stage_features(cfg, key, sc, work, where, mode="infer", args=args))
+    return seconds
+
+
+def plan_seconds(cfg: JobConfig, plan: PlanConfig, work: Workload, where: Placement, model: StepTimeModel) -> dict[str, float]:
+    """Predicted seconds per model-stage of ``plan`` (``stage_seconds``)."""
+    return {key: stage_seconds(cfg, key, sc, work, where, model) for key, sc in plan.stages().items()}
+
+
+def _price(cfg: JobConfig, key: str, sc: StageConfig, work: Workload, where: Placement, model: StepTimeModel, group: int, args) -> Candidate:
+    seconds = stage_seconds(cfg, key, sc, work, where, model, args)
     memory = pipeline_memory(cfg, key, sc, seq=work.width, ends=True, args=args)
     return Candidate(key=key, config=sc, seconds=seconds, resident=max(m.resident for m in memory),
                      transient=max(m.transient for m in memory), group=group, kind=layout_kind(sc))
 
 
 def frontier(candidates: list[Candidate]) -> list[Candidate]:
-    """The Pareto-minimal candidates in (seconds, resident, transient), fastest first."""
-    ordered = sorted(candidates, key=lambda c: (c.seconds, c.resident, c.transient))
-    mem = np.array([[c.resident, c.transient] for c in ordered], dtype=np.float64).reshape(-1, 2)
-    return [ordered[i] for i in _undominated(mem)]
+    """The Pareto-minimal candidates in (seconds, resident, transient) of each layout kind
+    (kinds are corrected apart: ``MemoryFit``), fastest first."""
+    out = []
+    for kind in sorted({c.kind for c in candidates}):
+        ordered = sorted((c for c in candidates if c.kind == kind), key=lambda c: (c.seconds, c.resident, c.transient))
+        mem = np.array([[c.resident, c.transient] for c in ordered], dtype=np.float64).reshape(-1, 2)
+        out += [ordered[i] for i in _undominated(mem)]
+    return sorted(out, key=lambda c: c.seconds)
 
 
 def _undominated(mem: np.ndarray, limit: int | None = None) -> list[int]:
@@ -262,7 +281,7 @@ def search(
                             k = (got[0], kinds[1]) if g == 0 else (kinds[0], got[0])
                             co = (got[1], corr[1]) if g == 0 else (corr[0], got[1])
                         grown.append((secs + c.seconds, tuple(r), tuple(t), (*picked, c), k, co))
-                partial, worst = _prune(grown, budget, beam)
+                partial, worst = _prune(grown, budget, beam, final=depth == len(fronts))
                 if depth == len(fronts) or not partial:  # complete plans, or the stage where all went over
                     smallest = min(smallest, worst)
                 if not partial:
@@ -285,27 +304,41 @@ def search(
     return SearchResult(plans=choices[:top], candidates=counted, milliseconds=ms, budget=budget, smallest_peak=smallest, notes=notes)
 
 
-def _prune(grown: list, budget: float | None, beam: int) -> tuple[list, float]:
-    """Drop partial plans over the budget, then dominated ones (slower, no smaller anywhere,
-    no smaller correction); keep the ``beam`` fastest of the rest. Also the smallest peak
-    (with headroom) among ``grown``."""
+def _prune(grown: list, budget: float | None, beam: int, *, final: bool) -> tuple[list, float]:
+    """Drop plans over the budget, then dominated ones; keep the ``beam`` fastest of the
+    rest. Also the smallest peak (with headroom) among ``grown``.
+
+    A complete plan (``final``) is judged by its corrected peak (``MemoryFit``) and dominated
+    by one no slower, no larger and no more corrected anywhere. A partial plan's correction is
+    not known until every training stage has joined its rank classes, so it is judged by its
+    uncorrected peak — a lower bound of any completion's, corrections being ≥ 0 — and
+    dominated only within its classes so far."""
     if not grown:
         return [], math.inf
     res = np.array([g[1] for g in grown], dtype=np.float64)
     tr = np.array([g[2] for g in grown], dtype=np.float64)
-    corr = np.array([g[5] for g in grown], dtype=np.float64)  # (entries, groups, 2)
-    offset, margin = corr[..., 0], corr[..., 1]
-    peak = ((res + tr) * (1.0 + margin) + offset) * HEADROOM
+    if final:
+        corr = np.array([g[5] for g in grown], dtype=np.float64)  # (entries, groups, 2)
+        offset, margin = corr[..., 0], corr[..., 1]
+        peak = ((res + tr) * (1.0 + margin) + offset) * HEADROOM
+        mem = np.hstack([res, tr, offset, margin])
+    else:
+        peak, mem = (res + tr) * HEADROOM, np.hstack([res, tr])
     worst = peak.max(axis=1)
     ok = worst <= budget if budget is not None else np.ones(len(grown), dtype=bool)
     idx = np.flatnonzero(ok)
     if not len(idx):
         return [], float(worst.min())
     idx = idx[np.argsort([grown[i][0] for i in idx], kind="stable")]
-    mem = np.hstack([res[idx], tr[idx], offset[idx], margin[idx]])
-    # dominance over many rows at once is O(n²) in memory: thin to the fastest few first
-    idx, mem = idx[: 8 * beam], mem[: 8 * beam]
-    return [grown[idx[i]] for i in _undominated(mem, beam)], float(worst.min())
+    classes: dict = {}
+    for i in idx:  # fastest first within each class
+        classes.setdefault(None if final else grown[i][4], []).append(i)
+    kept = []
+    for members in classes.values():
+        members = np.array(members[: 8 * beam])  # dominance is O(n²) in memory: the fastest few
+        kept += [members[j] for j in _undominated(mem[members], beam)]
+    kept.sort(key=lambda i: grown[i][0])
+    return [grown[i] for i in kept[:beam]], float(worst.min())
 
 
 def _plan(cfg: JobConfig, picked: tuple[Candidate, ...]) -> PlanConfig:

@@ -32,14 +32,23 @@ def test_nereus_plan_plans_the_shipped_64_gpu_configs_within_their_budget(name):
     assert "64 ranks of h200" in table and "| 1 |" in table and "config's plan" in table
 
 
-def test_nereus_plan_for_another_world_plans_it_from_scratch():
-    result = runner.invoke(app, ["plan", "llama3_8b_ppo", "--nproc", "32", "--json"])
+@pytest.mark.parametrize(("name", "n"), [("llama3_8b_ppo", 32), ("qwen2_5_7b_ppo", 1024)])
+def test_nereus_plan_for_another_world_plans_it_from_scratch(name, n):
+    result = runner.invoke(app, ["plan", name, "--nproc", str(n), "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
-    assert out["nproc"] == 32 and out["config_plan"] is None
+    assert out["nproc"] == n and out["config_plan"] is None and "needs 64 ranks" in out["config_plan_skipped"]
     for model in out["plans"][0]["plan"].values():
         for stage in (model or {}).values():
-            assert stage is None or stage["dp"] * stage["tp"] * stage["pp"] in (16, 32)  # colocated, or split in halves
+            assert stage is None or stage["dp"] * stage["tp"] * stage["pp"] in (n // 2, n)  # colocated, or split in halves
+
+
+def test_nereus_plan_under_a_budget_the_config_plan_misses_plans_one_that_fits():
+    result = runner.invoke(app, ["plan", "llama3_8b_ppo", "--set", "device_memory_gib=40", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["config_plan"] is None and "over the memory budget" in out["config_plan_skipped"]
+    assert 0 < max(out["plans"][0]["peak_gib"].values()) <= 40
 
 
 def test_nereus_plan_with_a_budget_no_plan_fits_says_the_smallest_peak():
@@ -98,3 +107,18 @@ def test_a_controlled_job_must_fit_its_first_step_and_only_that():
     load_config(grow, ["device_memory_gib=0.05"])  # fits 3-digit answers, not 24-digit ones
     with pytest.raises(ConfigError, match=r"on rank 0 at 30 tokens per row"):
         load_config(grow, ["device_memory_gib=0.05", "controller.enabled=false"])
+
+
+def test_nereus_report_leaves_out_damaged_records_and_names_them(tmp_path):
+    good = [{"step": s, "reward_mean": 0.1 * s, "kl": 0.01, "step_seconds": 1.0} for s in (1, 2, 3)]
+    lines = [json.dumps(good[0]), "[1, 2]", json.dumps({"step": 2, "kl": 0.0}), json.dumps(good[1]), json.dumps(good[2]), '{"step": 4, "rew']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    (tmp_path / "transitions.jsonl").write_text(json.dumps({"kind": "transition", "step": 2}) + "\n")  # no measured_s
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    summary = (tmp_path / "report" / "report.md").read_text()
+    assert "| steps | 1–3 |" in summary and "metrics.jsonl:2, metrics.jsonl:3, metrics.jsonl:6" in summary
+    assert "## Transitions" not in summary
+    (tmp_path / "config.json").write_text("{not json")
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "config.json is not a job config" in result.output and "Traceback" not in result.output

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 
 import pytest
 
 from nereus.trainer.config import ConfigError, load_config
 from nereus.trainer.controller.admission import DriftWatch, admit
 from nereus.trainer.controller.memory import HEADROOM, pipeline_memory
-from nereus.trainer.controller.online import Controller, ControllerSettings
+from nereus.trainer.controller.online import Controller
 from nereus.trainer.controller.profiles import load_profile
-from nereus.trainer.controller.search import SYNCED, search, stage_options
-from nereus.trainer.controller.steptime import Placement, StepTimeModel, stage_features, sync_features
+from nereus.trainer.controller.search import search, stage_options, stage_seconds
+from nereus.trainer.controller.steptime import Placement, StepTimeModel, stage_features
 from nereus.trainer.controller.workload import Workload
 
 CPU = load_profile("cpu")
@@ -24,39 +23,41 @@ def tiny(*overrides: str):
     return load_config("configs/tiny_grpo.yaml", ["nproc=4", *overrides])
 
 
-def brute_force(cfg, work, model, budget_bytes):
-    """Every combination of every stage's options, colocated, priced by the same models."""
+def brute_force(cfg, work, model):
+    """Every combination of every stage's options, colocated, priced by the same models:
+    (seconds, peak with headroom) of each."""
     where = Placement(nproc=cfg.nproc, profile=CPU)
     everyone = tuple(range(cfg.nproc))
     per_stage = {}
     for key in cfg.plan.stages():
         rows = []
         for sc in stage_options(cfg, key, everyone, work):
-            secs = model.predict(stage_features(cfg, key, sc, work, where))
-            if key in SYNCED:
-                secs += model.predict(sync_features(cfg, key, sc, where))
             mem = pipeline_memory(cfg, key, sc, seq=work.width, ends=True)
-            rows.append((secs, max(m.resident for m in mem), max(m.transient for m in mem), sc))
+            rows.append((stage_seconds(cfg, key, sc, work, where, model), max(m.resident for m in mem), max(m.transient for m in mem)))
         per_stage[key] = rows
-    best = math.inf
-    for combo in itertools.product(*per_stage.values()):
-        peak = (sum(r for _, r, _, _ in combo) + max(t for _, _, t, _ in combo)) * HEADROOM
-        if budget_bytes is None or peak <= budget_bytes:
-            best = min(best, sum(s for s, _, _, _ in combo))
-    return best
+    return [(sum(s for s, _, _ in combo), (sum(r for _, r, _ in combo) + max(t for _, _, t in combo)) * HEADROOM)
+            for combo in itertools.product(*per_stage.values())]
 
 
-@pytest.mark.parametrize("budget", [None, 0.03, 0.02])
-def test_search_finds_the_brute_force_optimum(budget):
-    cfg = tiny(f"device_memory_gib={budget if budget is not None else 'null'}")
+@pytest.mark.parametrize("fraction", [None, 0.5, 0.2])
+def test_search_finds_the_brute_force_optimum(fraction):
+    """Unbounded, and under budgets between the smallest and the largest peak of any plan
+    that bind: the fastest plan of all does not fit them."""
+    cfg = tiny()
     work = Workload.from_config(cfg)
     model = StepTimeModel.for_profile(CPU)
-    result = search(cfg, work, CPU, model, placements=("colocated",), beam=10_000)
-    want = brute_force(cfg, work, model, budget * 2**30 if budget else None)
+    plans = brute_force(cfg, work, model)
+    peaks = [p for _, p in plans]
+    budget = None if fraction is None else min(peaks) + fraction * (max(peaks) - min(peaks))
+    if budget is not None:
+        cfg = tiny("plan=auto", f"device_memory_gib={budget / 2**30}")  # the config's own plan may not fit
+        assert min(plans)[1] > budget, "the budget does not bind"
+    want = min(s for s, p in plans if budget is None or p <= budget)
+    result = search(cfg, work, CPU, model, placements=("colocated",))
     assert result.best.seconds == pytest.approx(want, rel=1e-9)
     assert all(a.seconds <= b.seconds for a, b in zip(result.plans, result.plans[1:]))
     if budget:
-        assert all(max(c.peak_bytes.values()) <= budget * 2**30 for c in result.plans)
+        assert all(max(c.peak_bytes.values()) <= budget for c in result.plans)
 
 
 def test_a_budget_no_plan_fits_names_the_smallest_peak():
@@ -116,8 +117,8 @@ def _metrics(step: int, seconds: dict[str, float], width: int, response: float =
 def test_alternating_measurements_do_not_make_the_plan_go_back_and_forth(tmp_path):
     """A job whose stage times swing ±40% every step: drifts trigger, but the plan moves at
     most once and never back to a plan it just left."""
-    cfg = tiny(f"run_dir={tmp_path}")
-    controller = Controller(cfg, CPU, ControllerSettings(hysteresis=50), run_dir=str(tmp_path))
+    cfg = tiny(f"run_dir={tmp_path}", "controller.hysteresis=50")
+    controller = Controller(cfg, CPU, run_dir=str(tmp_path))
     plans = [cfg.plan]
     for step in range(1, 30):
         swing = 1.4 if step % 2 else 0.6
@@ -133,3 +134,48 @@ def test_alternating_measurements_do_not_make_the_plan_go_back_and_forth(tmp_pat
     assert len(plans) <= 2, [p.stages()["actor.train"] for p in plans]
     lines = (tmp_path / "transitions.jsonl").read_text().splitlines()
     assert len(lines) >= 5  # the drifts were seen and decided on, and logged
+
+
+@pytest.mark.parametrize(("overrides", "forward"), [([], True), (["ppo.kl_in_reward=false", "ppo.epochs=1", "ppo.minibatch_size=BATCH"], False)])
+def test_a_training_stage_is_charged_its_own_forward_when_the_step_runs_one(overrides, forward):
+    """PPO's old log-probs run by actor.train's layout, off-policy only; the critic's values
+    by critic.train's layout when there is no critic.infer."""
+    from nereus.trainer.controller.search import stage_seconds
+
+    base = ["rollout.prompts_per_step=32", "plan.critic.infer=null"]
+    batch = load_config("configs/tiny_ppo.yaml", base).batch_size
+    cfg = load_config("configs/tiny_ppo.yaml", [*base, *(o.replace("BATCH", str(batch)) for o in overrides)])
+    assert cfg.on_policy is not forward and "critic.infer" not in cfg.plan.stages()
+    work, where, model = Workload.from_config(cfg), Placement(nproc=cfg.nproc, profile=CPU), StepTimeModel.for_profile(CPU)
+    stages = cfg.plan.stages()
+    for key, charged in (("actor.train", forward), ("critic.train", True)):
+        own = model.predict(stage_features(cfg, key, stages[key], work, where))
+        infer = model.predict(stage_features(cfg, key, stages[key], work, where, mode="infer"))
+        assert stage_seconds(cfg, key, stages[key], work, where, model) == pytest.approx(own + (infer if charged else 0.0)), key
+
+
+@pytest.mark.parametrize("slack", [1.0, 1.05, 1.2])
+def test_the_search_matches_brute_force_under_a_calibrated_memory_fit(slack):
+    """Corrections per class of layouts: a partial plan is not charged a class it has not
+    completed (the running class fitted at 0, any other priced unseen), and the budget binds."""
+    from nereus.trainer.controller.search import MemoryFit, rank_class
+
+    cfg = load_config("configs/tiny_ppo.yaml", ["controller.stages=[actor.train,critic.train]"])
+    work, where, model = Workload.from_config(cfg), Placement(nproc=cfg.nproc, profile=CPU), StepTimeModel.for_profile(CPU)
+    options = {}
+    for key, fixed in cfg.plan.stages().items():
+        rows = []
+        for sc in stage_options(cfg, key, tuple(range(cfg.nproc)), work):
+            mem = pipeline_memory(cfg, key, sc, seq=work.width, ends=True)
+            rows.append((key, sc, stage_seconds(cfg, key, sc, work, where, model), max(m.resident for m in mem), max(m.transient for m in mem)))
+        options[key] = rows
+    running = rank_class(cfg.plan.stages().items())
+    fit = MemoryFit(offsets={running: 0.0}, unseen=0.25)
+    run = [next(r for r in options[k] if r[1] == sc) for k, sc in cfg.plan.stages().items()]
+    budget = fit.peak(sum(r[3] for r in run), max(r[4] for r in run), running) * HEADROOM * slack
+    plans = [(sum(r[2] for r in combo), fit.peak(sum(r[3] for r in combo), max(r[4] for r in combo), rank_class((r[0], r[1]) for r in combo)) * HEADROOM)
+             for combo in itertools.product(*options.values())]
+    assert min(plans)[1] > budget, "the budget does not bind"
+    want = min(s for s, p in plans if p <= budget)
+    got = search(dataclasses.replace(cfg, device_memory_gib=budget / 2**30), work, CPU, model, fit=fit, placements=("colocated",))
+    assert got.best.seconds == pytest.approx(want, rel=1e-9)
