@@ -10,7 +10,9 @@ pp2, one rank alone) with micro-batches of 1 row, 3 rows and the whole batch.
 - float64, 2 epochs × 2 mini-batches: every metric, parameter and AdamW tensor agrees to
   1e-10 — the update is one function of the data, the layout only reorders its roundings
   (PPO over the whole matrix; GRPO over three layouts for each ``loss_agg``);
-- bfloat16 over float32 masters: FSDP2 and replicated dp agree bit for bit;
+- bfloat16 over float32 masters: FSDP2 and replicated dp agree bit for bit with one
+  micro-batch, and to float32 rounding with several (their gradient sums differ in order);
+- tied embeddings across pipeline stages (float64) agree to 1e-10;
 - float32, one update: metrics and gradient norms to 1e-6, AdamW's moments (the gradient's
   images) to 4e-6 (reduction order in float32: 1.3e-6 on m, 1.8e-6 on v measured), and each
   parameter to within what one Adam step does with that gradient difference: the update
@@ -132,3 +134,33 @@ def test_bf16_fsdp_and_replicated_dp_give_the_same_update_bit_for_bit(tmp_path):
     for plan, worst in compare(results).items():
         for kind, (err, where) in worst.items():
             assert err == 0.0, f"{plan}: {kind} differs by {err:.2e} at {where}"
+
+
+@pytest.mark.timeout(600)
+def test_tied_embeddings_give_the_same_update_across_pipeline_stages(tmp_path):
+    """Tied embeddings: with pp > 1 the embedding and the LM head live on different pipeline
+    stages, and the shared matrix's gradient is the sum of both uses; float64, 2 × 2 updates."""
+    layouts = [matrix(("actor",))[i] for i in (0, 2, 6)]  # dp4; tp2·pp2; FSDP over dp2 with pp2
+    cfg = load_config(TINY_GRPO, [*SMALL, "model.dtype=float64", "model.tie_embeddings=true", "grpo.minibatch_size=12",
+                                  "grpo.epochs=2", f"run_dir={tmp_path}", *layouts[0]])
+    results = run_layouts(cfg, layouts)
+    assert not any("lm_head" in k for k in results[0].state), "a tied model has no lm_head of its own"
+    for plan, worst in compare(results).items():
+        for kind, (err, where) in worst.items():
+            assert err <= 1e-10, f"{plan}: {kind} differs by {err:.2e} at {where}"
+
+
+@pytest.mark.timeout(300)
+def test_bf16_fsdp_and_replicated_dp_agree_bit_for_bit_over_several_micro_batches(tmp_path):
+    """As above, with each replica's 3 rows in 3 micro-batches. The bf16 arithmetic is the
+    same; the float32 gradient sums are not in the same order — FSDP2 reduce-scatters each
+    micro-batch's gradient and adds the shards, replicated dp adds the micro-batches and
+    all-reduces once — so the update agrees to float32 rounding (measured: 3.7e-8 on a
+    parameter), not bit for bit."""
+    plans = [both(("actor", "critic"), dp=4, tp=1, pp=1, dp_shard=s, micro_batch_size=1) for s in ("false", "true")]
+    cfg = load_config(TINY_PPO, [*SMALL, "model.dtype=bfloat16", "ppo.minibatch_size=12", f"run_dir={tmp_path}", *plans[0]])
+    results = run_layouts(cfg, plans)
+    for plan, worst in compare(results).items():
+        for kind, (err, where) in worst.items():
+            assert err <= 1e-6, f"{plan}: {kind} differs by {err:.2e} at {where}"
+        assert max(err for err, _ in worst.values()) > 0, "several micro-batches should change the float32 order"
