@@ -33,6 +33,7 @@ def train(
     from nereus.launch import launch_local, under_torchrun
     from nereus.trainer.config import ConfigError, load_config, resolve_device
     from nereus.trainer.loop import run_worker
+    from nereus.trainer.trackers import check_trackers
 
     overrides = list(set_)
     if nproc is not None:
@@ -42,6 +43,7 @@ def train(
     try:
         cfg = load_config(resolve_config(config) if config else default_config(), overrides)
         resolve_device(cfg)  # device: cuda needs a GPU per local worker; fail here, before any launch
+        check_trackers(cfg.logging.trackers)  # wandb/mlflow installed where rank 0 will log to them
     except (ConfigError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -50,6 +52,14 @@ def train(
         if model is not None and model.path and not Path(model.path).is_dir():
             typer.echo(f"error: {key}.path {model.path!r} does not exist (a HuggingFace model directory)", err=True)
             raise typer.Exit(2)
+    from nereus.trainer.rewards import RewardError
+    from nereus.trainer.sources import check_inputs
+
+    try:
+        check_inputs(cfg)  # data files, tokenizer, reward function: one error here, not one per worker
+    except (ConfigError, OSError, ValueError, RewardError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     if not resume:
         _fresh_run_dir(cfg.run_dir, overwrite)
     if under_torchrun():

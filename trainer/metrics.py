@@ -1,12 +1,12 @@
-"""Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl``, TensorBoard
-scalars in ``RUN_DIR/tensorboard``, and a progress bar on the terminal (rank 0 only)."""
+"""Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl`` (always), and the
+trackers of ``logging.trackers`` (``trainer/trackers.py``: console, TensorBoard, wandb,
+MLflow), from rank 0 only."""
 
 from __future__ import annotations
 
 import json
 import os
 import resource
-import sys
 from typing import Any
 
 
@@ -40,7 +40,7 @@ def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class MetricsLog:
-    """Writes each step's metrics to ``metrics.jsonl`` and TensorBoard, each step once.
+    """Writes each step's metrics to ``metrics.jsonl`` and every tracker, each step once.
 
     A run that starts after step ``first_step`` (a resume from that step's checkpoint)
     first cuts ``metrics.jsonl`` back to its lines with ``step <= first_step`` (atomically:
@@ -50,38 +50,37 @@ class MetricsLog:
     (``first_step=0``) therefore empties a ``metrics.jsonl`` left in the run directory by
     an earlier run, since it restarts at step 1, and purges from step 1 (the old event files
     stay on disk; TensorBoard no longer shows their steps).
+
+    ``settings`` is the job's ``logging`` section (None: console and TensorBoard, the
+    default); ``config`` the resolved config the wandb and MLflow runs carry.
     """
 
-    def __init__(self, run_dir: str, *, total: int, first_step: int = 0) -> None:
+    def __init__(self, run_dir: str, *, total: int, first_step: int = 0, settings=None, config: dict | None = None) -> None:
+        from .config import LoggingConfig
+        from .trackers import open_trackers
+
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         cut_lines(self.path, first_step)
         self.file = open(self.path, "a", buffering=1)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=first_step + 1)
-        except ImportError:  # tensorboard is a dependency; tolerate its absence in slim installs
-            self.tb = None
-        self.bar = _bar(total, first_step)
+        self.trackers = open_trackers(settings or LoggingConfig(), run_dir, config=config, total=total, first_step=first_step)
 
     def write(self, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps(metrics) + "\n")
-        step = int(metrics["step"])
-        if self.tb is not None:
-            for key, value in flatten(metrics).items():
-                if key != "step":
-                    self.tb.add_scalar(key, value, step)
-        if self.bar is not None:
-            self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-            self.bar.update(1)
+        values = {k: v for k, v in flatten(metrics).items() if k != "step"}
+        for tracker in self.trackers:
+            tracker.log(int(metrics["step"]), values, metrics)
 
-    def close(self) -> None:
+    def write_validation(self, step: int, metrics: dict[str, float]) -> None:
+        """A validation that no training step's record carries (the one before the first
+        step: ``step`` 0): its own line, ``{"step": 0, "val/...": ...}``, and the trackers."""
+        self.write({"step": step, **metrics})
+
+    def close(self, *, failed: bool = False) -> None:
+        """Close every tracker; ``failed``: the run stopped on an error (wandb and MLflow mark it so)."""
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.bar is not None:
-            self.bar.close()
+        for tracker in self.trackers:
+            tracker.close(failed=failed)
 
 
 def cut_lines(path: str, last_step: int) -> None:
@@ -104,10 +103,3 @@ def _step(line: str) -> int | None:
     except (ValueError, KeyError, TypeError):
         return None
 
-
-def _bar(total: int, first: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=first, desc="steps", unit="step", file=sys.stderr, dynamic_ncols=True)

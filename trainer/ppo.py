@@ -140,17 +140,16 @@ def compute_advantages(
     """Steps 1–2: (advantages, returns, metrics) from task scores [B] and the rollout tensors.
 
     ``old_logprobs`` may be None when the KL is not in the reward (the on-policy shortcut
-    of ``trainer/loop.py`` then never computes them)."""
+    of ``trainer/loop.py`` then never computes them). The metrics are the ones only this
+    step knows (``return``, ``value``); the step's ``reward_mean``, ``kl`` and
+    ``response_length`` are the loop's."""
     in_reward = ref_logprobs if kl_in_reward else None
-    rewards, kl = token_rewards(scores, mask, old_logprobs=old_logprobs, ref_logprobs=in_reward, kl_coef=kl_coef)
+    rewards, _ = token_rewards(scores, mask, old_logprobs=old_logprobs, ref_logprobs=in_reward, kl_coef=kl_coef)
     adv, returns = gae(rewards, values, mask, gamma=gamma, lam=lam)
     if whiten:
         adv = masked_whiten(adv, mask)
     m = mask.to(rewards.dtype)
     metrics = {
-        "score": float(scores.float().mean()),
-        "kl_ref_k1": float(masked_mean(kl, m)) if in_reward is not None else 0.0,
-        "response_len": float(m.sum(1).mean()),
         "return": float(masked_mean(returns, m)),
         "value": float(masked_mean(values.to(m.dtype), m)),
     }
@@ -256,7 +255,7 @@ def policy_loss(
     clipped = -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
     pg = torch.maximum(unclipped, clipped)
     per_token = pg
-    terms = {"pg_loss": pg}
+    terms = {}  # the policy-gradient term by itself, where the loss has others (else it is ``loss``)
     stats = {"clipfrac": (clipped > unclipped).to(logprobs.dtype), "approx_kl": ratio - 1 - log_ratio, "ratio": ratio}
     if ref_logprobs is not None and kl_coef:
         kl = kl_k3(zero_pad(logprobs, m), zero_pad(ref_logprobs.to(logprobs.dtype), m))
@@ -265,6 +264,8 @@ def policy_loss(
     if entropy is not None:
         per_token = per_token - entropy_coef * entropy
         stats["entropy"] = entropy
+    if per_token is not pg:
+        terms["pg_loss"] = pg
     loss = zero_pad(per_token * w, m).sum()
     return loss, _sums(mask, w.double(), {"loss": per_token, **terms}, stats)
 

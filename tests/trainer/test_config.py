@@ -272,7 +272,7 @@ def test_vllm_share_of_the_device_counts_while_it_generates() -> None:
     cfg = load_config(llama)
     gen = [s for s in plan_memory(cfg)[0] if s.stage == "actor.gen"]
     assert [(s.resident, s.transient) for s in gen] == [(0, int(0.5 * 141 * GIB))]
-    with pytest.raises(ConfigError, match=r"on rank 0 at 1029 tokens per row: needs 16\d GiB .* largest model-stage there: actor.gen"):
+    with pytest.raises(ConfigError, match=r"on rank 0 at 2048 tokens per row: needs 16\d GiB .* largest model-stage there: actor.gen"):
         load_config(llama, ["rollout.gpu_memory_utilization=0.95"])
 
 

@@ -106,9 +106,9 @@ class Controller:
         """Log predictions beside the measurements of step ``metrics["step"]``, then
         recalibrate. Returns the predictions line."""
         self.step = int(metrics["step"])
-        lengths = metrics["lengths"]
-        self.lengths.append((int(lengths["response_max"]), float(lengths["response_mean"])))
-        work = Workload.from_config(cfg).at(int(lengths["response_max"]), lengths["response_mean"])
+        longest, mean = int(metrics["lengths"]["response_max"]), float(metrics["response_length"])
+        self.lengths.append((longest, mean))
+        work = Workload.from_config(cfg).at(longest, mean)
         where = Placement(nproc=cfg.nproc, profile=self.profile)
         pieces, predicted_total, measured_total = {}, 0.0, 0.0
         for name, record in metrics["stages"].items():

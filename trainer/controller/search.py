@@ -143,7 +143,8 @@ def stage_options(cfg: JobConfig, key: str, ranks: tuple[int, ...], work: Worklo
     vllm = gen and cfg.rollout.engine == "vllm"
     explicit = None if ranks == tuple(range(cfg.nproc)) else ranks
     out = []
-    for tp in _pow2(min(n, limits.max_tp or n)):
+    max_tp = 1 if vllm and cfg.device_profile == "cpu" else (limits.max_tp or n)  # vLLM's CPU build: tp=1 (config.py)
+    for tp in _pow2(min(n, max_tp)):
         try:
             check_tp(spec, tp)
         except LayoutError:

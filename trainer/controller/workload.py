@@ -50,8 +50,9 @@ class Workload:
         longest = cfg.rollout.max_new_tokens
         if step is not None and cfg.task.grow_to is not None:
             longest = min(longest, build_task(cfg.task, step).max_answer_len)
+        prompt = task.prompt_len if cfg.data is None else cfg.data.max_prompt_length  # a dataset: its longest prompt
         return cls(
-            batch=cfg.batch_size, prompt=task.prompt_len, response_max=longest,
+            batch=cfg.batch_size, prompt=prompt, response_max=longest,
             response_mean=float(longest), minibatch=hp.minibatch_size, epochs=hp.epochs,
         )
 

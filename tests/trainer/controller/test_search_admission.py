@@ -109,7 +109,8 @@ def test_horizon_is_the_mean_gap_between_drifts():
 def _metrics(step: int, seconds: dict[str, float], width: int, response: float = 4.0) -> dict:
     return {
         "step": step,
-        "lengths": {"response_max": width - 5, "response_mean": response, "width": width, "prompt": 5},
+        "response_length": response,
+        "lengths": {"response_max": width - 5, "width": width, "prompt": 5},
         "stages": {k: {"seconds": s, "peak_bytes": [10 << 20] * 4} for k, s in seconds.items()},
     }
 
