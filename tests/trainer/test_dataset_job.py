@@ -109,6 +109,7 @@ def _mixed_lengths(rank, world_size, made, run_dir):
 
     cfg = load_config(TINY_TEXT, [f"model.path={made['model']}", f"data.train_files={made['train']}",
                                   f"reward.function={REWARD}", f"run_dir={run_dir}", "device=cpu", "validation.every=0",
+                                  "data.val_files=[]",
                                   "nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=2", "plan.actor.gen.tp=1",
                                   "plan.ref.infer.dp=2", "plan.ref.infer.tp=1", "data.max_prompt_length=16",
                                   "rollout.max_new_tokens=4"])
@@ -140,7 +141,11 @@ def test_replicas_with_prompts_of_different_lengths_stack_left_padded(made, tmp_
 
 
 def test_a_dataset_jobs_model_shapes_come_from_its_directory(made, tmp_path):
-    cfg = load_config(TINY_TEXT, [f"model.path={made['model']}", f"run_dir={tmp_path}"])
+    import yaml
+
+    bare = yaml.safe_load(open(TINY_TEXT))
+    bare["model"] = {"path": made["model"]}  # no shapes at all: config.json gives them
+    cfg = load_config(bare, [f"run_dir={tmp_path}"])
     with open(os.path.join(made["model"], "config.json")) as f:
         hf = json.load(f)
     m = cfg.model
@@ -254,8 +259,12 @@ def test_model_directory_rules_the_config_names(made, tmp_path):
     assert cfg.critic.vocab_size == cfg.model.vocab_size == 16  # a critic from scratch reads the actor's ids
     with pytest.raises(ConfigError, match=r"'model.max_seq_len'=104 is longer than the max_position_embeddings=64"):
         load_config(TINY_TEXT, [*base, "data.max_prompt_length=100"])  # derived: 100 + 4
+    import yaml
+
+    bare = yaml.safe_load(open(TINY_TEXT))
+    bare["model"] = {"path": str(tmp_path / "elsewhere"), "vocab_size": 16}
     with pytest.raises(ConfigError, match=r"has no config.json here, so its shapes must be given: model.hidden_size, "):
-        load_config(TINY_TEXT, [f"model.path={tmp_path / 'elsewhere'}", "model.vocab_size=16"])
+        load_config(bare)
     rm = f"reward_model={{path: {made['model']}}}"
     with pytest.raises(ConfigError, match=r"'validation.every' is set on a reward-model job without a rule reward"):
         load_config(TINY_TEXT, [*base, rm, "reward.function=null", "plan.reward.infer={dp: 4}"])
