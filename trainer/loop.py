@@ -310,11 +310,11 @@ class Trainer:
         return {
             "step": self.step,
             "reward_mean": float(scores.mean()),
-            **({"task_reward_mean": float(task_scores.mean())} if reward_model and getattr(self.source, "rule", True) else {}),
+            **({"task_reward_mean": float(task_scores.mean())} if reward_model and self.source.rule else {}),
             "kl": float(kl),
             "response_length": float(lengths.float().mean()),
             **self._reward_metrics,
-            **(self.source.metrics() if hasattr(self.source, "metrics") else {}),
+            **self.source.metrics(),
             **train_metrics,
             **advantage_metrics,
             "stage_seconds": seconds,

@@ -69,6 +69,7 @@ class TaskSource:
         self.pad_id = self.task.pad_id
         self.stop_ids: tuple[int, ...] = (self.task.eos_id,)
         self.vocab_size = self.task.vocab_size
+        self.rule = True  # the task's reward is always computed (logged as task_reward_mean beside a reward model's)
 
     def _task(self, step: int) -> Task:
         return build_task(self.cfg.task, step) if self.cfg.task.grow_to is not None else self.task
@@ -88,6 +89,9 @@ class TaskSource:
         return Scores(scores=scores, accuracy=(scores >= 1).float())
 
     def state_dict(self) -> dict:
+        return {}
+
+    def metrics(self) -> dict[str, float]:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
