@@ -39,7 +39,23 @@ the largest per-tensor max|Δθ| / max|θ| against the first layout;
 the same matrix in float64 in one more launch gives ``layout_invariance_fp64_rel_err``,
 the layout's own effect once float32 rounding is out of the way (trainer/layout_check.py).
 
-The last printed line is one JSON object: ``grpo_over_trl``, ``ppo_over_trl``, the floor
+The recompute rows (``run_recompute_rows``) run the default job and a longer-response
+variant (fixed 96-token responses, the 4-layer 256-wide decoder) with ``recompute`` none,
+selective and full on actor.train and critic.train: median step and training seconds, peak
+RSS per rank, and in a second launch the training stages' activation peak, measured as the
+tensor bytes their forward and backward allocate beyond what was alive before
+(``StageMeter(tensors=...)``, under the profiler). ``recompute_memory_saving`` = 1 − full ÷
+none of actor.train's on the long variant; bar ≥ 0.30.
+
+The packing rows (``run_packing_rows``) run a job whose random-init policy stops at <eos>
+after a geometric number of tokens (responses of 1 to 64 in one batch; the run prints the
+spread), padded and with ``micro_batch_tokens`` on every training and inference stage.
+``packing_speedup`` = padded step ÷ packed step (bar ≥ 1.3); ``packing_stages_speedup`` the
+same for the inference and training seconds, the stages packing changes; and
+``packing_speedup_bound`` what the step would gain if those stages took no time at all
+(generation and the weight sync are the same either way), the most any packing can give.
+
+``--sections`` picks what runs (default: all). The last printed line is one JSON object: ``grpo_over_trl``, ``ppo_over_trl``, the floor
 figures and the figures behind them, and the layout-invariance figures. The machine is
 shared and noisy: compare the ratios of one run.
 """
@@ -67,6 +83,8 @@ WORKLOAD = {
 }
 KL_COEF = 0.04
 BAR = 1.1
+RECOMPUTE_BAR = 0.30  # full recompute saves at least this share of the training stage's activation peak
+PACKING_BAR = 1.3  # packed over padded, on a batch whose response lengths vary 10x
 TINY_PPO = ROOT / "configs" / "tiny_ppo.yaml"
 LAYOUTS = {  # actor.train and critic.train, both; the shipped plan first
     "shipped (actor dp2·tp2, critic dp4 FSDP)": {},
@@ -279,6 +297,106 @@ def layout_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+# --------------------------------------------------------------------------- recompute and packing
+
+WIDE = ["model.hidden_size=256", "model.intermediate_size=768", "model.num_layers=4"]  # the TRL workload's decoder
+RECOMPUTE_VARIANTS = {  # the default job, and its longer-response variant (fixed 96-token responses)
+    "default job": [],
+    "long responses (96 tokens, 4 layers × 256)": [*WIDE, "rollout.max_new_tokens=96", "rollout.ignore_eos=true", "model.max_seq_len=101",
+                                                   "rollout.prompts_per_step=32", "ppo.minibatch_size=64"],
+}
+RECOMPUTE_MODES = ("none", "selective", "full")
+# the random-init policy stops at <eos> after a geometric number of tokens: response lengths
+# spread from 1 to 64 in one batch (the run prints them)
+VARIED = [*WIDE, "rollout.max_new_tokens=64", "model.max_seq_len=69"]
+PACK_TOKENS = 512
+PACKED_STAGES = ("actor.train", "critic.train", "ref.infer", "critic.infer")
+TRAINING = ("actor.train", "critic.train")
+
+
+def run_recompute_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
+    """Per variant and recompute mode (actor.train and critic.train both): the median step
+    and training seconds after the warm-up, every rank's peak resident memory, and, in a
+    second launch, the training stages' activation peak — the tensor bytes their forward and
+    backward allocate beyond what was alive before (``StageMeter(tensors=...)``, second step;
+    the highest rank)."""
+    from nereus.trainer.config import load_config
+    from nereus.trainer.layout_check import run_layouts
+
+    rows, figures = [], {}
+    with tempfile.TemporaryDirectory(prefix="nereus-bench-recompute-") as run_dir:
+        for variant, overrides in RECOMPUTE_VARIANTS.items():
+            cfg = load_config(TINY_PPO, [f"run_dir={run_dir}/{len(rows)}", "checkpoint_every=0", *overrides])
+            plans = [[f"plan.{m}.recompute={mode}" for m in TRAINING] for mode in RECOMPUTE_MODES]
+            timed = run_layouts(cfg, plans, steps=warmup + steps)
+            measured = run_layouts(cfg, plans, steps=2, tensor_peaks=TRAINING)
+            for mode, t, m in zip(RECOMPUTE_MODES, timed, measured):
+                rows.append({
+                    "variant": variant, "recompute": mode,
+                    "step_seconds_median": statistics.median(t.step_seconds[warmup:]),
+                    "training_seconds_median": statistics.median(p["training"] for p in t.phase_seconds[warmup:]),
+                    "peak_memory_mib": [round(b / 2**20) for b in t.peak_memory_bytes],
+                    "activation_peak_mib": {k: round(m.stage_peaks[k] / 2**20, 2) for k in TRAINING},
+                })
+        long = [r for r in rows if r["variant"] != "default job"]
+        peak = {r["recompute"]: r["activation_peak_mib"]["actor.train"] for r in long}
+        figures["recompute_memory_saving"] = 1 - peak["full"] / peak["none"]
+        figures["recompute_selective_saving"] = 1 - peak["selective"] / peak["none"]
+        secs = {r["recompute"]: r["training_seconds_median"] for r in long}
+        figures["recompute_full_training_slowdown"] = secs["full"] / secs["none"]
+    return rows, figures
+
+
+def run_packing_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
+    """The varied-length job padded and packed (``PACK_TOKENS`` per micro-batch on every
+    training and inference stage): median step seconds and the inference and training
+    seconds, the stages packing changes (generation is the same in both)."""
+    from nereus.trainer.config import load_config
+    from nereus.trainer.layout_check import compare, run_layouts
+
+    with tempfile.TemporaryDirectory(prefix="nereus-bench-packing-") as run_dir:
+        cfg = load_config(TINY_PPO, [f"run_dir={run_dir}", "checkpoint_every=0", *VARIED])
+        plans = [[], [f"plan.{k}.micro_batch_tokens={PACK_TOKENS}" for k in PACKED_STAGES]]
+        padded, packed = run_layouts(cfg, plans, steps=warmup + steps)
+    rows = []
+    for name, r in (("padded", padded), (f"packed, {PACK_TOKENS} tokens", packed)):
+        rows.append({
+            "setting": name,
+            "step_seconds_median": statistics.median(r.step_seconds[warmup:]),
+            "inference_training_seconds_median": statistics.median(p["inference"] + p["training"] for p in r.phase_seconds[warmup:]),
+            "response_lengths": {k: r.metrics[f"lengths/{k}"] for k in ("response_min", "response_p50", "response_max")},
+        })
+    padded_step, stages = rows[0]["step_seconds_median"], rows[0]["inference_training_seconds_median"]
+    figures = {
+        "packing_speedup": padded_step / rows[1]["step_seconds_median"],
+        "packing_stages_speedup": stages / rows[1]["inference_training_seconds_median"],
+        # generation and the weight sync are the same either way: even free inference and
+        # training would leave the step at padded − (inference + training)
+        "packing_speedup_bound": padded_step / max(padded_step - stages, 1e-9),
+        "packing_update_rel_err": max(max(e for e, _ in w.values()) for w in compare([padded, packed]).values()),
+    }
+    return rows, figures
+
+
+def markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table of ``rows`` under ``head``."""
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head), *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+def recompute_table(rows: list[dict]) -> str:
+    head = ["variant", "recompute", "step s", "training s", "activation peak, actor.train / critic.train MiB", "peak RSS per rank, MiB"]
+    return markdown(head, [[r["variant"], r["recompute"], f"{r['step_seconds_median']:.3f}", f"{r['training_seconds_median']:.3f}",
+                            f"{r['activation_peak_mib']['actor.train']:.1f} / {r['activation_peak_mib']['critic.train']:.1f}",
+                            ", ".join(map(str, r["peak_memory_mib"]))] for r in rows])
+
+
+def packing_table(rows: list[dict]) -> str:
+    head = ["setting", "step s", "inference + training s", "response lengths min / p50 / max"]
+    return markdown(head, [[r["setting"], f"{r['step_seconds_median']:.3f}", f"{r['inference_training_seconds_median']:.3f}",
+                            " / ".join(f"{r['response_lengths'][k]:.0f}" for k in ("response_min", "response_p50", "response_max"))]
+                           for r in rows])
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -303,7 +421,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="Nereus process counts to try")
     parser.add_argument("--algos", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
-    parser.add_argument("--no-layouts", action="store_true", help="skip the layout rows of the default job")
+    parser.add_argument("--sections", nargs="+", default=["trl", "layouts", "recompute", "packing"],
+                        choices=["trl", "layouts", "recompute", "packing"], help="what to run (all by default)")
     parser.add_argument("--trl-python", type=Path, default=default_trl_python())
     parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "train.json")
     args = parser.parse_args()
@@ -313,7 +432,7 @@ def main() -> int:
     if load > 0.5:  # TRL's 2-thread steps slow several-fold when anything else runs (2 cores)
         print(f"warning: load average {load:.2f} before the run; the machine should be idle", flush=True)
     rows, headline = [], {"load_average_before": round(load, 2)}
-    for algo in args.algos:
+    for algo in args.algos if "trl" in args.sections else ():
         trl = run_trl(algo, args.trl_python, args.warmup, args.steps)
         ours = [run_nereus(algo, n, args.warmup, args.steps) for n in args.nproc]
         best = max(ours, key=lambda r: r["completion_tokens_per_s"])
@@ -326,15 +445,36 @@ def main() -> int:
         headline[f"{algo}_floor_over_trl"] = round(floor["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 3)
 
     layouts: list[dict] = []
-    if not args.no_layouts:
+    if "layouts" in args.sections:
         layouts, figures = run_layout_rows(args.warmup, args.steps)
         headline.update({k: float(f"{v:.3g}") for k, v in figures.items()})
+    recompute: list[dict] = []
+    if "recompute" in args.sections:  # printed as they finish: these sections are long
+        recompute, figures = run_recompute_rows(args.warmup, args.steps)
+        headline.update({k: float(f"{v:.3g}") for k, v in figures.items()})
+        print(recompute_table(recompute))
+        saving = headline["recompute_memory_saving"]
+        print(f"bar: full recompute saves >= {RECOMPUTE_BAR:.0%} of actor.train's activation peak on the long-response "
+              f"variant: {saving:.0%} ({'met' if saving >= RECOMPUTE_BAR else 'NOT met'}); training "
+              f"{headline['recompute_full_training_slowdown']:.2f}x slower", flush=True)
+    packing: list[dict] = []
+    if "packing" in args.sections:
+        packing, figures = run_packing_rows(args.warmup, args.steps)
+        headline.update({k: float(f"{v:.3g}") for k, v in figures.items()})
+        print(packing_table(packing))
+        speedup = headline["packing_speedup"]
+        print(f"bar: a packed step >= {PACKING_BAR}x faster than a padded one: {speedup:.2f}x "
+              f"({'met' if speedup >= PACKING_BAR else 'NOT met'}); the stages packing changes (inference + training) "
+              f"{headline['packing_stages_speedup']:.2f}x; the most any packing could give this step (generation unchanged) "
+              f"{headline['packing_speedup_bound']:.2f}x; the update differs by {headline['packing_update_rel_err']:.1e} "
+              "(float32 reduction order through Adam's ε band, as in the layout rows)", flush=True)
 
-    print(table(rows))
-    print(f"bar: Nereus >= {BAR}x TRL completion tokens/s; " + ", ".join(
-        f"{a}: {headline[f'{a}_over_trl']:.2f}x ({'met' if headline[f'{a}_over_trl'] >= BAR else 'NOT met'})" for a in args.algos))
-    print("ceiling: the floor's tokens/s over TRL's, the most any fp32 implementation could reach here; " + ", ".join(
-        f"{a}: {headline[f'{a}_floor_over_trl']:.2f}x" for a in args.algos))
+    if rows:
+        print(table(rows))
+        print(f"bar: Nereus >= {BAR}x TRL completion tokens/s; " + ", ".join(
+            f"{a}: {headline[f'{a}_over_trl']:.2f}x ({'met' if headline[f'{a}_over_trl'] >= BAR else 'NOT met'})" for a in args.algos))
+        print("ceiling: the floor's tokens/s over TRL's, the most any fp32 implementation could reach here; " + ", ".join(
+            f"{a}: {headline[f'{a}_floor_over_trl']:.2f}x" for a in args.algos))
     if layouts:
         print()
         print(layout_table(layouts))
@@ -343,7 +483,8 @@ def main() -> int:
               f"AdamW moments {headline['layout_invariance_moments_rel_err']:.1e}, metrics {headline['layout_invariance_metrics_err']:.1e}, "
               f"everything in float64 {headline['layout_invariance_fp64_rel_err']:.1e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"workload": WORKLOAD, "kl_coef": KL_COEF, "runs": rows, "layouts": layouts, **headline}, indent=2))
+    args.out.write_text(json.dumps({"workload": WORKLOAD, "kl_coef": KL_COEF, "runs": rows, "layouts": layouts,
+                                    "recompute": recompute, "packing": packing, **headline}, indent=2))
     print(f"wrote {args.out}")
     print(json.dumps(headline))
     return 0

@@ -196,6 +196,9 @@ class GRPOConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
 
 
+Recompute = Literal["none", "full", "selective"]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageConfig:
     """Parallel config of one model-stage; ``ranks`` None = all ranks 0 … nproc−1."""
@@ -207,6 +210,19 @@ class StageConfig:
     dp_shard: bool = False  # shard state over dp (FSDP2) instead of replicating it
     fused: bool = False  # actor.gen only: vLLM-style fused qkv / gate_up buffers
     micro_batch_size: int | None = None  # train/infer stages: rows per forward of a replica (verl's *_micro_batch_size_per_gpu)
+    micro_batch_tokens: int | None = None  # train/infer stages: pack rows, padding removed, into micro-batches of at most this many tokens (verl's ppo_max_token_len_per_gpu)
+    recompute: Recompute = "none"  # train stages: activation checkpointing per transformer block (selective: every other block)
+
+    def label_parts(self) -> list[str]:
+        """The layout in words for logs and tables (``dp2``, ``tp2``, ``fsdp``, ``mb16``,
+        ``tok4096``, ``ac-full``), without the ranks."""
+        parts = [f"{k}{getattr(self, k)}" for k in ("dp", "tp", "pp") if getattr(self, k) > 1] or ["dp1"]
+        parts += ["fsdp"] if self.dp_shard and self.dp > 1 else []
+        parts += [f"mb{self.micro_batch_size}"] if self.micro_batch_size else []
+        parts += [f"tok{self.micro_batch_tokens}"] if self.micro_batch_tokens else []
+        parts += [f"ac-{self.recompute}"] if self.recompute != "none" else []
+        parts += ["fused"] if self.fused else []
+        return parts
 
     def parallel_config(self, nproc: int) -> ParallelConfig:
         ranks = self.ranks if self.ranks is not None else tuple(range(nproc))
@@ -1020,6 +1036,7 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig) -> None:
             raise ConfigError(f"{name}: micro_batch_size applies to training and inference stages; the rollout runs its whole batch")
         if sc.micro_batch_size < 1:
             raise ConfigError(f"{name}: micro_batch_size={sc.micro_batch_size} must be >= 1")
+    _check_recompute_and_tokens(cfg, name, stage, sc)
     key, model, head = cfg.stage_model(stage)
     try:
         check_tp(decoder_spec(model, head=head), sc.tp)
@@ -1038,6 +1055,33 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig) -> None:
             )
     if stage == "actor.gen" and cfg.batch_size % sc.dp:
         raise ConfigError(f"{name}: dp={sc.dp} does not divide the rollout batch of {cfg.batch_size} responses")
+
+
+def longest_row(cfg: JobConfig) -> int:
+    """The most tokens one rollout row can hold: the longest prompt plus ``rollout.max_new_tokens``."""
+    prompt = cfg.data.max_prompt_length if cfg.data is not None else _task(cfg).prompt_len
+    return prompt + cfg.rollout.max_new_tokens
+
+
+def _check_recompute_and_tokens(cfg: JobConfig, name: str, stage: str, sc: StageConfig) -> None:
+    """Activation checkpointing on training stages only; a token budget on training and
+    inference stages, instead of ``micro_batch_size`` and at least the longest row."""
+    if sc.recompute not in ("none", "full", "selective"):
+        raise ConfigError(f"{name}: recompute={sc.recompute!r} is not one of none, full, selective")
+    if sc.recompute != "none" and not stage.endswith(".train"):
+        raise ConfigError(f"{name}: recompute={sc.recompute} applies to training stages only (no activations are kept here)")
+    if sc.micro_batch_tokens is None:
+        return
+    if stage == "actor.gen":
+        raise ConfigError(f"{name}: micro_batch_tokens applies to training and inference stages; the rollout runs its whole batch")
+    if sc.micro_batch_size is not None:
+        raise ConfigError(f"{name}: give micro_batch_size (rows) or micro_batch_tokens (packed tokens), not both")
+    need = longest_row(cfg)
+    if sc.micro_batch_tokens < need:
+        raise ConfigError(
+            f"{name}: micro_batch_tokens={sc.micro_batch_tokens} is smaller than the longest row "
+            f"({need} tokens: the longest prompt plus rollout.max_new_tokens); a row is never split"
+        )
 
 
 def _check_rollout_engine(cfg: JobConfig) -> None:

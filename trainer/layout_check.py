@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -47,16 +47,23 @@ class LayoutResult:
     step_seconds: list[float]
     peak_memory_bytes: list[int]
     """Every rank's peak resident memory at the end (meaningful for one plan per run)."""
+    phase_seconds: list[dict[str, float]] = field(default_factory=list)
+    """Per step: seconds of generation, inference, training, sync (``stage_seconds``)."""
+    stage_peaks: dict[str, int] = field(default_factory=dict)
+    """The last step's peak per model-stage record (``stages``), the highest over ranks."""
 
 
-def run_layouts(cfg: JobConfig, plans: Sequence[Sequence[str]], *, steps: int = 1) -> list[LayoutResult]:
-    """Run the job under each plan (one launch, ``cfg.nproc`` workers); see the module docstring."""
+def run_layouts(cfg: JobConfig, plans: Sequence[Sequence[str]], *, steps: int = 1, tensor_peaks: Sequence[str] = ()) -> list[LayoutResult]:
+    """Run the job under each plan (one launch, ``cfg.nproc`` workers); see the module
+    docstring. The model-stages named in ``tensor_peaks`` are measured by the tensor bytes
+    they allocate (``observe.StageMeter``; slow), the others by resident memory."""
     from nereus.launch import launch_local
 
-    return launch_local(_worker, cfg.nproc, config_to_dict(cfg), [tuple(p) for p in plans], steps, run_id="nereus-layouts")[0]
+    return launch_local(_worker, cfg.nproc, config_to_dict(cfg), [tuple(p) for p in plans], steps, tuple(tensor_peaks),
+                        run_id="nereus-layouts")[0]
 
 
-def _worker(base: dict, plans: list[tuple[str, ...]], steps: int) -> list[LayoutResult] | None:
+def _worker(base: dict, plans: list[tuple[str, ...]], steps: int, tensor_peaks: tuple[str, ...] = ()) -> list[LayoutResult] | None:
     from .loop import Trainer, join_process_group, worker_device
 
     cfg0 = load_config(base)
@@ -67,11 +74,13 @@ def _worker(base: dict, plans: list[tuple[str, ...]], steps: int) -> list[Layout
         rank, out = dist.get_rank(), []
         for plan in plans:
             trainer = Trainer(load_config(base, list(plan)), device)
-            times, first = [], {}
+            trainer.meter.tensors = frozenset(tensor_peaks)
+            times, phases, first = [], [], {}
             for i in range(steps):
                 t = time.perf_counter()
                 metrics = trainer.run_step()
                 times.append(time.perf_counter() - t)
+                phases.append(dict(metrics["stage_seconds"]))
                 if i == 0:
                     first = {k: v for k, v in flatten({k: v for k, v in metrics.items() if k not in TIMING_KEYS}).items()}
                     state = {}
@@ -80,8 +89,13 @@ def _worker(base: dict, plans: list[tuple[str, ...]], steps: int) -> list[Layout
                             full = gather_full(stage.emus, stage.buffers(), rank)
                             state.update({f"{key}/{n}": t.numpy() for n, t in (full or {}).items()})
             peaks: list = [None] * dist.get_world_size()
-            dist.all_gather_object(peaks, peak_memory_bytes())
-            out.append(LayoutResult(plan=plan, metrics=first, state=state, step_seconds=times, peak_memory_bytes=peaks))
+            dist.all_gather_object(peaks, (peak_memory_bytes(), {k: r["peak_bytes"] for k, r in metrics["stages"].items()}))
+            stage_peaks: dict[str, int] = {}
+            for _, mine in peaks:
+                for k, v in mine.items():
+                    stage_peaks[k] = max(stage_peaks.get(k, 0), v)
+            out.append(LayoutResult(plan=plan, metrics=first, state=state, step_seconds=times, peak_memory_bytes=[p for p, _ in peaks],
+                                    phase_seconds=phases, stage_peaks=stage_peaks))
         return out if rank == 0 else None
     finally:
         dist.destroy_process_group()

@@ -328,14 +328,16 @@ class Trainer:
         }
 
     def _stage_records(self, batch: dict, seconds: dict[str, float], peaks: dict[str, int]) -> dict[str, dict]:
-        """Per measured piece: seconds (this rank's), rows and tokens it processed, and this
-        rank's measured peak bytes (``peak_bytes``; gathered over ranks by ``run_worker``)."""
+        """Per measured piece: seconds (this rank's), rows and tokens it processed (padded:
+        ``tokens``; ``real_tokens`` without the padding, what a packed stage computes on), and
+        this rank's measured peak bytes (``peak_bytes``; gathered over ranks by ``run_worker``)."""
         rows, width = batch["input_ids"].shape
+        real = int(batch["attention_mask"].sum())
         hp = self.cfg.ppo if self.cfg.algorithm == "ppo" else self.cfg.grpo
         out = {}
         for name, s in seconds.items():
-            n = rows * (hp.epochs if name in ("actor.train", "critic.train") else 1)
-            out[name] = {"seconds": s, "rows": n, "tokens": n * width, "peak_bytes": peaks.get(name, 0)}
+            k = hp.epochs if name in ("actor.train", "critic.train") else 1
+            out[name] = {"seconds": s, "rows": rows * k, "tokens": rows * width * k, "real_tokens": real * k, "peak_bytes": peaks.get(name, 0)}
         return out
 
     def _generate(self, prompts: Prompts, *, temperature: float, top_p: float, seed: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -624,11 +626,7 @@ def plan_label(plan) -> dict[str, str]:
     """Model-stage -> its layout in one word (``dp2·tp2``, ``dp4 fsdp mb16``), for logs."""
     out = {}
     for key, sc in plan.stages().items():
-        parts = [f"{k}{getattr(sc, k)}" for k in ("dp", "tp", "pp") if getattr(sc, k) > 1] or ["dp1"]
-        parts += ["fsdp"] if sc.dp_shard and sc.dp > 1 else []
-        parts += [f"mb{sc.micro_batch_size}"] if sc.micro_batch_size else []
-        parts += ["fused"] if sc.fused else []
-        parts += [f"ranks{list(sc.ranks)}"] if sc.ranks is not None else []
+        parts = sc.label_parts() + ([f"ranks{list(sc.ranks)}"] if sc.ranks is not None else [])
         out[key] = "·".join(parts)
     return out
 

@@ -30,6 +30,16 @@ bf16 gradient of each use lands in the float32 ``.grad`` — FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` contract, under every layout
 (under FSDP2 with that policy the weights arrive in bf16 already and the casts do nothing).
 
+Packed rows (``trainer/packing.py``): ``document_ids`` mark which row each position of a
+packed sequence belongs to; attention is causal within a row only (``document_attention``:
+one SDPA call per row of the pack, no mask) and positions restart at each row, so a row's
+outputs are those of its padded forward.
+
+Activation checkpointing: the layers named in ``Decoder.recompute`` (``set_recompute``) run
+under ``torch.utils.checkpoint`` when gradients are recorded; backward recomputes them from
+their input. The same kernels run on the same inputs, so gradients are bit for bit those of
+a stored forward.
+
 Head counts inside attention are read from the projections' output sizes (``view(B, T, -1, d)``),
 so a TP plan that shards q/k/v by column runs the same code on local heads.
 
@@ -50,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from nereus.reshard.derive import DecoderSpec
 from nereus.reshard.layout import DTYPES
@@ -259,6 +270,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
+@dataclass(frozen=True, slots=True)
+class Documents:
+    """Packed rows (``trainer/packing.py``) as attention sees them: per batch row, the
+    boundaries ``0 = b_0 < b_1 < … < b_k = T`` of its documents (the padding at a pack's
+    tail is one more). Attention runs causally within each document and never across."""
+
+    bounds: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_ids(cls, document_ids: torch.Tensor) -> Documents:
+        """From ``document_ids`` [B, T] (contiguous runs of one id; one host sync)."""
+        t = document_ids.shape[1]
+        change = (document_ids[:, 1:] != document_ids[:, :-1]).cpu()
+        return cls(bounds=tuple((0, *(int(i) + 1 for i in row.nonzero().flatten()), t) for row in change))
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents) -> torch.Tensor:
+    """Causal SDPA over q [B, H, T, d], k, v [B, K, T, d] within each document of ``docs``:
+    the work and memory of the documents' own lengths (Σ L²), never of the pack (T²), and no
+    mask (SDPA's causal kernels)."""
+    gqa = q.shape[1] != k.shape[1]
+    rows = []
+    for i, bounds in enumerate(docs.bounds):
+        parts = [F.scaled_dot_product_attention(q[i : i + 1, :, a:b], k[i : i + 1, :, a:b], v[i : i + 1, :, a:b], is_causal=True, enable_gqa=gqa)
+                 for a, b in zip(bounds[:-1], bounds[1:])]
+        rows.append(torch.cat(parts, 2) if len(parts) > 1 else parts[0])
+    return torch.cat(rows, 0) if len(rows) > 1 else rows[0]
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions [B, T] that restart at 0 where each document of a packed row begins."""
+    t = document_ids.shape[1]
+    idx = torch.arange(t, device=document_ids.device).expand_as(document_ids)
+    begins = torch.ones_like(document_ids, dtype=torch.bool)
+    begins[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return idx - torch.where(begins, idx, 0).cummax(1).values
+
+
 def attention_mask_4d(key_mask: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
     """Bool [B, 1, T, S]: query slot ``start + t`` sees key slot ``s`` iff ``s <= start + t`` and
     ``key_mask[b, s]`` (a real token), or ``s == start + t`` (its own slot, never an empty row)."""
@@ -320,12 +369,12 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | Documents | None,
         kv_cache: KVCache | None,
         layer: str,
     ) -> torch.Tensor:
         """x [B, T, h]; mask bool [B, 1, T, S], an additive float mask [B, 1, 1, S] for one
-        decode step, or None for plain causal attention over x."""
+        decode step, ``Documents`` for packed rows, or None for plain causal attention over x."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -333,6 +382,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
+        if isinstance(mask, Documents):
+            return self.o_proj(document_attention(q, k, v, mask).transpose(1, 2).reshape(b, t, -1))
         if t == 1 and mask is not None and mask.is_floating_point():
             return self.o_proj(_decode_attention(q, k, v, mask).view(b, 1, -1))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1])
@@ -375,7 +426,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | Documents | None,
         kv_cache: KVCache | None,
         layer: str,
     ) -> torch.Tensor:
@@ -405,6 +456,9 @@ class Decoder(nn.Module):
         self.model = DecoderStack(args, dtype)
         self.lm_head: nn.Linear | None = None
         self.score: nn.Linear | None = None
+        self.recompute: frozenset[str] = frozenset()
+        """Layers whose activations a training forward drops and backward recomputes
+        (``set_recompute``)."""
         if s.head == "value":
             self.score = Linear(s.hidden_size, 1, bias=False, dtype=dtype)
         elif not s.tie_embeddings:
@@ -416,6 +470,7 @@ class Decoder(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V], values [B, T] (value head), or hidden states [B, T, h] (no final norm).
@@ -425,7 +480,10 @@ class Decoder(nn.Module):
         this call (pad slots are never attended to; earlier slots' mask lives in the cache).
         ``position_ids`` default to the count of real tokens before each one (left padding
         gives 0 at a row's first real token). With ``kv_cache`` the T tokens follow the
-        cached ones and the cache advances by T.
+        cached ones and the cache advances by T. ``document_ids`` [B, T]: packed rows
+        (``document_attention``; positions default to ``document_positions``), instead of
+        ``attention_mask``. Layers in ``self.recompute`` run under activation checkpointing
+        when gradients are recorded.
         """
         body = self.model
         if input_ids.is_floating_point():
@@ -434,10 +492,22 @@ class Decoder(nn.Module):
             raise ValueError("this stage has no embed_tokens: pass hidden states [B, T, h], not token ids")
         else:
             h = body.embed_tokens(input_ids)
-        position_ids, mask = self._positions_and_mask(h, position_ids, attention_mask, kv_cache)
+        if document_ids is not None:
+            if attention_mask is not None or kv_cache is not None:
+                raise ValueError("document_ids (packed rows) take neither an attention_mask nor a KV cache")
+            mask = Documents.from_ids(document_ids)
+            position_ids = document_positions(document_ids) if position_ids is None else position_ids
+        else:
+            position_ids, mask = self._positions_and_mask(h, position_ids, attention_mask, kv_cache)
         rope = rope_cos_sin(position_ids, self.args.spec.dim_head, self.args.rope_theta, h.dtype, self.args.rope_scaling)
+        recompute = self.recompute if torch.is_grad_enabled() and kv_cache is None else ()
         for name, layer in body.layers.items():
-            h = layer(h, rope, mask, kv_cache, name)
+            if name in recompute:
+                # FSDP2 skips its forward hooks while recomputing in backward (the
+                # pre-backward hook has gathered the weights); no dropout, no RNG to replay.
+                h = checkpoint(layer, h, rope, mask, None, name, use_reentrant=False, preserve_rng_state=False)
+            else:
+                h = layer(h, rope, mask, kv_cache, name)
         if kv_cache is not None:
             t = h.shape[1]
             kv_cache.seen += kv_cache.key_mask[:, kv_cache.length : kv_cache.length + t].sum(1)
@@ -477,6 +547,20 @@ class Decoder(nn.Module):
         if kv_cache is not None and t == 1:  # a decode step: the additive form, built once for every layer
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         return position_ids, mask
+
+
+def recompute_layers(mode: str, layers: Iterable[str]) -> frozenset[str]:
+    """The layers activation checkpointing covers: ``full`` every transformer block,
+    ``selective`` every other one (even indices: half the saving for half the recompute,
+    torchtitan's layer-level selective mode), ``none`` none."""
+    if mode not in ("none", "full", "selective"):
+        raise ValueError(f"recompute={mode!r} is not one of none, full, selective")
+    return frozenset(n for n in layers if mode == "full" or (mode == "selective" and int(n) % 2 == 0))
+
+
+def set_recompute(model: Decoder, mode: str) -> None:
+    """Checkpoint ``model``'s layers per ``mode`` (``recompute_layers``) from the next forward."""
+    model.recompute = recompute_layers(mode, model.model.layers.keys())
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Decoder:

@@ -15,6 +15,11 @@ trimmed heap (``trim_heap``), or a plan's figure would depend on what earlier pl
 step (a model's mini-batches) adds its seconds and keeps the larger peak. Where
 ``clear_refs`` cannot be written the high-water mark is the process's since start (an upper
 bound) and ``resettable`` is False.
+
+``StageMeter(device, tensors={...})`` measures the pieces it names by the tensor bytes they
+allocate beyond what was alive at their start instead (``memtrace.tensor_peak``: on CPU
+under the profiler, several-fold slower): a training stage's activation peak, which the
+process's resident memory hides behind everything the job holds (tools/bench_train.py).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+
+from .memtrace import tensor_peak
 
 _HWM = re.compile(r"VmHWM:\s+(\d+) kB")
 _RSS = re.compile(r"VmRSS:\s+(\d+) kB")
@@ -90,8 +97,9 @@ def release_freed_memory(device: torch.device | str) -> None:
 class StageMeter:
     """Times and peak memory of named pieces of a step on this rank (see the module docstring)."""
 
-    def __init__(self, device: torch.device | str, baseline: int | None = None) -> None:
+    def __init__(self, device: torch.device | str, baseline: int | None = None, *, tensors: frozenset[str] = frozenset()) -> None:
         self.device = torch.device(device)
+        self.tensors = tensors
         self.baseline = rss_bytes() if baseline is None else baseline
         self.resettable = True
         self.seconds: dict[str, float] = defaultdict(float)
@@ -99,6 +107,13 @@ class StageMeter:
 
     @contextmanager
     def __call__(self, name: str):
+        if name in self.tensors:
+            start = time.perf_counter()
+            with tensor_peak(self.device) as measured:
+                yield
+            self.seconds[name] += time.perf_counter() - start
+            self.peaks[name] = max(self.peaks.get(name, 0), measured.bytes)
+            return
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)

@@ -30,12 +30,14 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from .packing import Packing
 from .parallel import StagePart, reshard, stage_grads
 
-MODEL_KWARGS = ("attention_mask", "position_ids")
+MODEL_KWARGS = ("attention_mask", "position_ids", "document_ids")
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 OutputFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -110,13 +112,26 @@ def _broadcast_from_last(part: StagePart, value: torch.Tensor | None) -> torch.T
 
 
 def forward_backward(
-    part: StagePart, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, n_microbatches: int = 1, *, sync: bool = True
+    part: StagePart,
+    batch: Mapping[str, torch.Tensor],
+    loss_fn: LossFn,
+    n_microbatches: int = 1,
+    *,
+    sync: bool = True,
+    packing: Packing | None = None,
 ) -> torch.Tensor:
     """One training step's forward and backward: gradients of sum_m loss_fn(out_m, batch_m)
     added to ``.grad`` and, with ``sync``, finished by ``sync_grads`` (ready for
     ``optimizer.step()``); returns that sum (float32, 0-d, detached) on every rank of the
     replica. To accumulate over several calls, pass ``sync=False`` and call ``sync_grads``
-    once after the last: its KV-copy and tied-embedding sums must run once per step."""
+    once after the last: its KV-copy and tied-embedding sums must run once per step.
+
+    With ``packing`` (``trainer/packing.py``) micro-batch m is pack m: the model runs on the
+    pack (as wide as its tokens; with pp > 1 every pack as wide as the widest) and
+    ``loss_fn`` gets its output [1, width, …] with ``packing.rows_of(batch, m)``, the pack's
+    rows in the padded layout (``n_microbatches`` is ignored)."""
+    if packing is not None:
+        return _forward_backward_packed(part, batch, loss_fn, packing, sync=sync)
     b = _check_batch(batch, n_microbatches, part.config.pp)
     model, n = part.module, n_microbatches
     if part.config.pp == 1:
@@ -147,6 +162,38 @@ def forward_backward(
     return total
 
 
+def _forward_backward_packed(part: StagePart, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, packing: Packing, *, sync: bool) -> torch.Tensor:
+    """``forward_backward`` over the packs of ``packing``, one micro-batch each."""
+    model, n = part.module, len(packing.packs)
+    if part.config.pp == 1:
+        total = torch.zeros((), dtype=torch.float32, device=part.device)
+        for m in range(n):
+            if part.fsdp:
+                model.set_requires_gradient_sync(m == n - 1)
+            inputs = packing.model_inputs(m)
+            loss = loss_fn(model(inputs.pop("input_ids"), **inputs), packing.rows_of(batch, m))
+            loss.backward()
+            total += loss.detach().float()
+    else:
+        def mb_loss(output: torch.Tensor, pack: torch.Tensor) -> torch.Tensor:
+            return loss_fn(output, packing.rows_of(batch, int(pack[0])))
+
+        stage = PipelineStage(model, part.stage, part.config.pp, part.device, group=part.groups.pp)
+        schedule_cls = Schedule1F1B if n >= part.config.pp else ScheduleGPipe
+        schedule = schedule_cls(stage, n, loss_fn=mb_loss, scale_grads=False)
+        inputs = packing.model_inputs()
+        ids = inputs.pop("input_ids")
+        losses: list[torch.Tensor] = []
+        with _keep_fsdp_grads(part):
+            schedule.step(*((ids,) if part.is_first else ()), target=torch.arange(n, device=ids.device), losses=losses,
+                          return_outputs=False, **inputs)
+        total = torch.stack([x.detach().float() for x in losses]).sum() if part.is_last else None
+        total = _broadcast_from_last(part, total)
+    if sync:
+        sync_grads(part)
+    return total
+
+
 @contextmanager
 def _keep_fsdp_grads(part: StagePart):
     """Gradients from earlier calls survive a pipelined call with FSDP2.
@@ -170,6 +217,19 @@ def _keep_fsdp_grads(part: StagePart):
                 p.grad = old if p.grad is None else old + p.grad
 
 
+def _forward_packed(part: StagePart, batch: Mapping[str, torch.Tensor], output_fn: OutputFn | None, packing: Packing) -> torch.Tensor:
+    """``forward`` over the packs without pipelining: each pack as wide as its own tokens, its
+    output [1, tokens, …] padded back to the common width for the concatenation."""
+    fn = output_fn or (lambda out, _mb: out)
+    outs = []
+    for m, w in enumerate(packing.lengths):
+        mb = {**{k: v[m : m + 1, :w] for k, v in batch.items()}, **packing.model_inputs(m)}
+        out = fn(part.module(mb["input_ids"], **_model_kwargs(mb)), mb)
+        outs.append(F.pad(out, (0, 0) * (out.dim() - 2) + (0, packing.width - w)))
+    reshard(part)
+    return torch.cat(outs)
+
+
 class _EvalStage(nn.Module):
     """A stage for forward-only pipelining: model kwargs to the Decoder, ``output_fn`` on the
     last stage's output with the whole micro-batch (every batch tensor arrives as a kwarg)."""
@@ -185,13 +245,27 @@ class _EvalStage(nn.Module):
 
 @torch.no_grad()
 def forward(
-    part: StagePart, batch: Mapping[str, torch.Tensor], *, n_microbatches: int = 1, output_fn: OutputFn | None = None
+    part: StagePart,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    n_microbatches: int = 1,
+    output_fn: OutputFn | None = None,
+    packing: Packing | None = None,
 ) -> torch.Tensor:
     """Inference: the model's output (logits [B, T, V] or values [B, T]), or
     ``output_fn(output_m, batch_m)`` per micro-batch (e.g. the log-probs of the taken tokens,
     so that only [b, T] per micro-batch is kept, concatenated and broadcast, not [B, T, V]
     logits), concatenated along dim 0, on every rank of the replica (broadcast from the last
-    PP stage)."""
+    PP stage).
+
+    With ``packing`` the micro-batches are its packs and ``batch`` holds pack-major tensors
+    [packs, width, …] (whatever ``output_fn`` reads besides the model's inputs);
+    ``output_fn`` gives per-position values [1, tokens] of each pack and the result is
+    [packs, width], for ``Packing.unpack`` to map back to rows."""
+    if packing is not None and part.config.pp == 1:
+        return _forward_packed(part, batch, output_fn, packing)
+    if packing is not None:
+        batch, n_microbatches = {**batch, **packing.model_inputs()}, len(packing.packs)
     _check_batch(batch, n_microbatches, part.config.pp)
     fn = output_fn or (lambda out, _mb: out)
     if part.config.pp == 1:

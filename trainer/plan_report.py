@@ -33,12 +33,7 @@ def run_search(source, overrides: Sequence[str], *, top: int = 5) -> tuple[JobCo
 
 
 def _label(sc) -> str:
-    parts = [f"{k}{getattr(sc, k)}" for k in ("dp", "tp", "pp") if getattr(sc, k) > 1] or ["dp1"]
-    parts += ["fsdp"] if sc.dp_shard and sc.dp > 1 else []
-    parts += [f"mb{sc.micro_batch_size}"] if sc.micro_batch_size else []
-    parts += ["fused"] if sc.fused else []
-    parts += [f"ranks {sc.ranks[0]}-{sc.ranks[-1]}"] if sc.ranks else []
-    return "·".join(parts)
+    return "·".join(sc.label_parts() + ([f"ranks {sc.ranks[0]}-{sc.ranks[-1]}"] if sc.ranks else []))
 
 
 def plan_table(cfg: JobConfig, result: SearchResult, current: dict | None, skipped: str | None = None) -> str:

@@ -10,7 +10,12 @@ instead of a Nereus module: its EMUs are vLLM's fused layout and its buffers vLL
 parameters, so the weight sync writes straight into vLLM.
 
 Batch split: a stage with dp replicas gives replica d the rows ``tensor_split(B, dp)[d]``;
-all TP and PP ranks of a replica see the same rows. Results come back to every rank with
+all TP and PP ranks of a replica see the same rows. With ``micro_batch_tokens`` the rows are
+first ordered so that those shares hold about equal tokens, and each replica packs its rows,
+padding removed, into micro-batches of at most that many tokens (``trainer/packing.py``).
+Training stages checkpoint the activations of the layers ``recompute`` names
+(``model.recompute_layers``), read from the stage's settings at each call, so a plan
+transition retunes it in place. Results come back to every rank with
 one ``all_gather_object`` per call (the tiny CPU jobs move kilobytes; a GPU job would
 gather tensors instead).
 
@@ -34,7 +39,8 @@ from nereus.reshard.layout import EMU, ParallelConfig
 from .config import JobConfig, StageConfig
 from .ppo import LossSums
 from .stage_args import model_args
-from .model import ModelArgs
+from .model import ModelArgs, set_recompute
+from .packing import Packing, balanced_order, pack_batch, pack_count
 from .parallel import StagePart, build_stage, cached_group, optimizer_buffers, plan_groups, stage_buffers, stage_grads, stage_groups
 from .pipeline import forward, forward_backward
 from .vllm_engine import VLLMEngine, vllm_emus
@@ -212,9 +218,21 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(a_t | s_t) of the response tokens [B, N] (logits at positions P-1..T-2 score
     tokens P..T-1) and, with ``entropy``, H(π(· | s_t)) there, of the distribution sampled
-    from (logits / T). ``logits`` are this rank's vocabulary columns (``vocab``)."""
+    from (logits / T). ``logits`` are this rank's vocabulary columns (``vocab``): [B, T, V_t],
+    or one pack's [1, width, V_t] when ``mb`` carries ``score_pos`` (``trainer/packing.py``)."""
     p = int(mb["prompt_width"][0])
-    return token_logprobs(_response_logits(logits, p, temperature), mb["input_ids"][:, p:], vocab, entropy=entropy)
+    targets = mb["input_ids"][:, p:]
+    if "score_pos" in mb and "response_mask" in mb:  # a pack: only its real response tokens, never [rows, N, V]
+        real = mb["response_mask"].bool()
+        logits = upcast(logits[0][mb["score_pos"][real]])[None]
+        lp, ent = token_logprobs(logits if temperature == 1.0 else logits / temperature, targets[real][None], vocab, entropy=entropy)
+        return _scatter(lp[0], real), None if ent is None else _scatter(ent[0], real)
+    return token_logprobs(_response_logits(logits, mb, temperature), targets, vocab, entropy=entropy)
+
+
+def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``values`` [n] at the True places of ``where`` [B, N], 0 elsewhere (differentiable)."""
+    return torch.zeros(where.shape, dtype=values.dtype, device=values.device).masked_scatter(where, values)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -222,24 +240,32 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _response_logits(logits: torch.Tensor, p: int, temperature: float) -> torch.Tensor:
-    """The logits [B, N, V_t] at positions P-1..T-2, which score the response tokens, in
-    float32 (at least) and divided by the temperature (no copy of the block at T = 1 in
-    float32)."""
-    logits = upcast(logits[:, p - 1 : -1])
+def _scoring(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``out`` [B, T, …] at positions P-1..T-2, which score the response tokens: a slice, or
+    gathered from one pack's output [1, width, …] at the rows' ``score_pos``."""
+    if "score_pos" in mb:
+        return out[0][mb["score_pos"]]
+    return out[:, int(mb["prompt_width"][0]) - 1 : -1]
+
+
+def _response_logits(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """The logits [B, N, V_t] that score the response tokens, in float32 (at least) and
+    divided by the temperature (no copy of the block at T = 1 in float32)."""
+    logits = upcast(_scoring(logits, mb))
     return logits if temperature == 1.0 else logits / temperature
 
 
 def response_values(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """V(s_t) for each response token: the value at the position before it."""
-    p = int(mb["prompt_width"][0])
-    return upcast(values[:, p - 1 : -1])
+    return upcast(_scoring(values, mb))
 
 
 def sequence_scores(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """A reward model's score of each sequence [B]: its value at the sequence's last real
     token (HF's ``*ForSequenceClassification`` pooling; rows are left-padded prompts
     followed by right-padded responses)."""
+    if "last_pos" in mb:
+        return upcast(values[0][mb["last_pos"]])
     real = mb["attention_mask"].bool()
     last = (real.long() * torch.arange(real.shape[1], device=real.device)).argmax(1)
     return upcast(values).gather(1, last[:, None]).squeeze(1)
@@ -250,18 +276,75 @@ def infer(stage: ModelStage, batch: dict[str, torch.Tensor], what: str, temperat
     tokens, ``"values"`` [B, N] before each response token, or ``"scores"`` [B], a reward
     model's score of the whole sequence."""
     b = batch["input_ids"].shape[0]
+    budget = stage.settings.micro_batch_tokens
+    order = _balanced(stage, batch) if budget else None
+    batch = batch if order is None else {k: v[order] for k, v in batch.items()}
     local = None
     if stage.member:
         lo, hi = stage.rows(b)
         mine = _my_rows(stage, batch, lo, hi)
         vocab = stage.part.vocab
-        fn = {
-            "logprobs": lambda out, mb: response_logprobs(out, mb, temperature, vocab)[0],
-            "values": response_values,
-            "scores": sequence_scores,
-        }[what]
-        local = {"out": forward(stage.part, mine, n_microbatches=_microbatches(stage, hi - lo), output_fn=fn)}
-    return gather_rows(stage, local, b)["out"]
+        if budget:
+            local = {"out": _infer_packed(stage, batch, mine, what, temperature, budget)}
+        else:
+            fn = {
+                "logprobs": lambda out, mb: response_logprobs(out, mb, temperature, vocab)[0],
+                "values": response_values,
+                "scores": sequence_scores,
+            }[what]
+            local = {"out": forward(stage.part, mine, n_microbatches=_microbatches(stage, hi - lo), output_fn=fn)}
+    out = gather_rows(stage, local, b)["out"]
+    return out if order is None else out[torch.argsort(order)]
+
+
+def _balanced(stage: ModelStage, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The rows in the order that deals the replicas equal token counts (``balanced_order``;
+    the same on every rank: it depends on the batch only)."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    return torch.tensor(balanced_order(lengths, stage.config.dp), dtype=torch.long)
+
+
+def _pack(stage: ModelStage, batch: dict[str, torch.Tensor], mine: dict[str, torch.Tensor], budget: int) -> Packing:
+    """This replica's rows ``mine`` of ``batch`` in packs of at most ``budget`` tokens. Under
+    FSDP2 every replica makes as many packs as the one that needs most (each pack's forward
+    and backward all-gather the weights over dp: unequal counts would hang), and a pipeline
+    gets at least pp micro-batches where the rows allow. Every rank holds the whole batch, so
+    each computes every replica's count itself, with no collective."""
+    count, rows = None, mine["input_ids"].shape[0]
+    if stage.dp_shard and stage.config.dp > 1:
+        lengths = batch["attention_mask"].sum(1).tolist()
+        shares = torch.arange(len(lengths)).tensor_split(stage.config.dp)
+        count = max(pack_count([lengths[i] for i in share.tolist()], budget) for share in shares)
+    if stage.config.pp > 1:
+        count = max(count or 1, min(stage.config.pp, rows))
+    return pack_batch(mine, budget, count)
+
+
+def _infer_packed(stage: ModelStage, batch: dict[str, torch.Tensor], mine: dict[str, torch.Tensor], what: str, temperature: float,
+                  budget: int) -> torch.Tensor:
+    """``infer`` of this replica's rows over packs of at most ``budget`` tokens: the output
+    functions run on each pack's positions (pipelining needs per-pack shapes) and
+    ``Packing.unpack`` takes each row's values back to the padded layout."""
+    packing = _pack(stage, batch, mine, budget)
+    extra: dict[str, torch.Tensor] = {}
+    if what == "logprobs":
+        ids = packing.input_ids
+        scored = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+        scored[packing.pack_of[:, None].expand_as(packing.score_pos), packing.score_pos] = True
+        extra = {"next_ids": torch.roll(ids, -1, dims=1), "scored": scored}
+        vocab = stage.part.vocab
+
+        def fn(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            at = mb["scored"]
+            logits = upcast(out[at])[None]
+            logits = logits if temperature == 1.0 else logits / temperature
+            lp = token_logprobs(logits, mb["next_ids"][at][None], vocab)[0][0]
+            return torch.zeros(at.shape, dtype=lp.dtype, device=lp.device).masked_scatter_(at, lp)
+    else:
+        def fn(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            return upcast(out)
+    packed = forward(stage.part, extra, output_fn=fn, packing=packing)
+    return packing.unpack(packed, at="last" if what == "scores" else "score")
 
 
 @dataclass(kw_only=True)
@@ -284,9 +367,14 @@ def backward_minibatch(stage: ModelStage, batch: dict[str, torch.Tensor], loss_f
     (``batch["loss_weights"]``). None off the stage's ranks."""
     if not stage.member:
         return None
+    budget = stage.settings.micro_batch_tokens
+    if budget:  # the replicas' shares balanced by tokens: every row's loss is normalised globally
+        order = _balanced(stage, batch)
+        batch = {k: v[order] for k, v in batch.items()}
     lo, hi = stage.rows(batch["input_ids"].shape[0])
     mine = _my_rows(stage, batch, lo, hi)
     mine["row_index"] = torch.arange(lo, hi, device=stage.part.device)
+    set_recompute(stage.part.module, stage.settings.recompute)
     # Keyed by each micro-batch's first row, the last call per key kept: torch's pipelining
     # (2.13) calls the loss once more, FIRST, while it infers the backward's metadata — on
     # placeholder activations (torch.empty), so its statistics are garbage; the real call of
@@ -300,7 +388,8 @@ def backward_minibatch(stage: ModelStage, batch: dict[str, torch.Tensor], loss_f
         return loss
 
     stage.optimizer.zero_grad(set_to_none=False)
-    loss = forward_backward(stage.part, mine, fn, n_microbatches=_microbatches(stage, hi - lo))
+    packing = _pack(stage, batch, mine, budget) if budget else None
+    loss = forward_backward(stage.part, mine, fn, n_microbatches=_microbatches(stage, hi - lo), packing=packing)
     grad_norm = clip_grads(stage, max_grad_norm)
     reports = bool(collected) and stage.coords()[2] == 0  # loss_fn runs on the last PP stage only
     parts = [collected[k] for k in sorted(collected)]

@@ -317,6 +317,21 @@ def test_micro_batch_size_shrinks_the_activation_memory_and_is_checked() -> None
         tiny("plan.ref.infer.micro_batch_size=5")
 
 
+def test_recompute_and_token_budget_are_checked_before_any_step() -> None:
+    cfg = tiny("plan.actor.train.recompute=full", "plan.critic.train.recompute=selective", "plan.ref.infer.micro_batch_tokens=9")
+    assert (cfg.plan.actor.train.recompute, cfg.plan.critic.train.recompute, cfg.plan.ref.infer.micro_batch_tokens) == ("full", "selective", 9)
+    with pytest.raises(ConfigError, match="'plan.actor.train.recompute' must be one of 'none', 'full', 'selective'; got 'ful'"):
+        tiny("plan.actor.train.recompute=ful")
+    with pytest.raises(ConfigError, match="plan 'ref.infer': recompute=full applies to training stages only"):
+        tiny("plan.ref.infer.recompute=full")
+    with pytest.raises(ConfigError, match=r"plan 'actor.train': micro_batch_tokens=8 is smaller than the longest row \(9 tokens"):
+        tiny("plan.actor.train.micro_batch_tokens=8")
+    with pytest.raises(ConfigError, match="plan 'actor.train': give micro_batch_size .rows. or micro_batch_tokens .packed tokens., not both"):
+        tiny("plan.actor.train.micro_batch_tokens=64", "plan.actor.train.micro_batch_size=16")
+    with pytest.raises(ConfigError, match="plan 'actor.gen': micro_batch_tokens applies to training and inference stages"):
+        tiny("plan.actor.gen.micro_batch_tokens=64")
+
+
 @pytest.mark.parametrize("key", ["ppo.loss_agg", "grpo.loss_agg"])
 def test_an_unknown_loss_aggregation_is_a_one_line_error(key: str) -> None:
     with pytest.raises(ConfigError, match=f"config key '{key}' must be one of 'token_mean', 'seq_mean_token_mean', 'seq_mean_token_sum'; got 'mean'"):
