@@ -43,6 +43,9 @@ from nereus.cli.demo import demo  # noqa: E402
 from nereus.cli.train import train  # noqa: E402
 
 app.command()(train)
+from nereus.cli.resume import resume  # noqa: E402
+
+app.command()(resume)
 app.command()(demo)
 from nereus.cli.convert import convert  # noqa: E402
 

@@ -30,10 +30,7 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run dir that holds an earlier run's checkpoints (they are deleted)."),
 ) -> None:
     """Post-train with PPO or GRPO, each model-stage in its own TP/PP/DP layout."""
-    from nereus.launch import launch_local, under_torchrun
-    from nereus.trainer.config import ConfigError, load_config, resolve_device
-    from nereus.trainer.loop import run_worker
-    from nereus.trainer.trackers import check_trackers
+    from nereus.trainer.config import ConfigError, load_config
 
     overrides = list(set_)
     if nproc is not None:
@@ -42,6 +39,33 @@ def train(
         overrides.append(f"run_dir={run_dir}")
     try:
         cfg = load_config(resolve_config(config) if config else default_config(), overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    preflight(cfg)
+    if resume:
+        from nereus.trainer.resume import resumed_plan
+
+        try:
+            cfg = resumed_plan(cfg)  # the plan the job was in when it saved (a controller may have moved it)
+        except ConfigError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+    else:
+        _fresh_run_dir(cfg.run_dir, overwrite)
+    run_job(cfg, resume)
+
+
+def preflight(cfg) -> None:
+    """What the workers will need, checked here once before any launch (exit 2 with one
+    line): the device, the trackers' packages, model directories, data files, tokenizer and
+    reward function."""
+    from nereus.trainer.config import ConfigError, resolve_device
+    from nereus.trainer.rewards import RewardError
+    from nereus.trainer.sources import check_inputs
+    from nereus.trainer.trackers import check_trackers
+
+    try:
         resolve_device(cfg)  # device: cuda needs a GPU per local worker; fail here, before any launch
         check_trackers(cfg.logging.trackers)  # wandb/mlflow installed where rank 0 will log to them
     except (ConfigError, FileNotFoundError) as e:
@@ -52,16 +76,19 @@ def train(
         if model is not None and model.path and not Path(model.path).is_dir():
             typer.echo(f"error: {key}.path {model.path!r} does not exist (a HuggingFace model directory)", err=True)
             raise typer.Exit(2)
-    from nereus.trainer.rewards import RewardError
-    from nereus.trainer.sources import check_inputs
-
     try:
         check_inputs(cfg)  # data files, tokenizer, reward function: one error here, not one per worker
     except (ConfigError, OSError, ValueError, RewardError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    if not resume:
-        _fresh_run_dir(cfg.run_dir, overwrite)
+
+
+def run_job(cfg, resume: bool) -> None:
+    """Run ``cfg``'s workers (this process under torchrun, else local ones); one line of
+    result, or the job's error and exit 1."""
+    from nereus.launch import launch_local, under_torchrun
+    from nereus.trainer.loop import run_worker
+
     if under_torchrun():
         last = run_worker(cfg, resume)
     else:

@@ -13,6 +13,12 @@ of the sampled token, of the model's logits before top-p filtering (verl's conve
 top-p < 1 the true sampling distribution is renormalised over the nucleus, this is not).
 For greedy decoding (T == 0) they are ``log_softmax(logits)``.
 
+Randomness: each step draws one uniform per row, from ``generator``, or, with ``uniforms``
+[B, max_new_tokens], row i's step t reads ``uniforms[i, t]``. The trainer draws the whole
+batch's uniforms from a seed of (job seed, step) and hands each dp replica its rows, so a
+row's sample depends on the step and the row only: the same rollouts at any dp degree (a
+job resumed on another number of processes samples what the original would have).
+
 The generator only calls ``model(ids, attention_mask=, kv_cache=)``: it is TP-agnostic
 (DTensor TP runs inside the same forward). ``generate_no_cache`` recomputes the whole
 sequence each step; it exists to test the cache.
@@ -73,14 +79,15 @@ def left_pad(
 
 
 def sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, u: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits [B, V] and its log-prob, as the module docstring states.
 
     Sampling inverts the CDF: with c = cumsum(p) and one uniform U per row, the token is
     the first i with c_i > U · c_V, which is i with probability p_i (tokens cut by top-p have
     p_i = 0 and are never picked). It draws exactly B numbers every step whatever the
-    logits, so two runs from one seed (with and without the cache) stay in step.
+    logits, so two runs from one seed (with and without the cache) stay in step; ``u`` [B, 1]
+    gives those numbers instead of ``generator``.
     """
     logits = logits.float()
     if temperature == 0:
@@ -94,7 +101,9 @@ def sample(
             outside = sorted_p.cumsum(-1) - sorted_p > top_p  # the most likely token is always kept
             probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
         cdf = probs.cumsum(-1)
-        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+        if u is None:
+            u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+        u = u.to(cdf.device, cdf.dtype) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
@@ -110,14 +119,17 @@ def generate(
     stop_tokens: Sequence[int] = (),
     pad_id: int,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` per prompt, prefilling once and decoding through a KV cache.
 
     ``prompts``: lists of token ids, or a left-padded tensor [B, P] with ``prompt_lengths``.
     ``generator`` must live on the model's device; the same seed gives the same tokens.
+    ``uniforms`` [B, max_new_tokens] instead: each row's draws (module docstring).
     """
     ids, lengths = _prompt_batch(model, prompts, prompt_lengths, pad_id)
-    return _decode(model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, use_cache=True)
+    return _decode(model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, use_cache=True,
+                   uniforms=uniforms)
 
 
 def generate_no_cache(
@@ -131,10 +143,12 @@ def generate_no_cache(
     stop_tokens: Sequence[int] = (),
     pad_id: int,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> Rollout:
     """``generate`` recomputing the full sequence every step (O(N^2) work): a test oracle."""
     ids, lengths = _prompt_batch(model, prompts, prompt_lengths, pad_id)
-    return _decode(model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, use_cache=False)
+    return _decode(model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, use_cache=False,
+                   uniforms=uniforms)
 
 
 def _prompt_batch(model, prompts, prompt_lengths, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +166,7 @@ def _prompt_batch(model, prompts, prompt_lengths, pad_id) -> tuple[torch.Tensor,
 
 @torch.no_grad()
 def _decode(
-    model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, *, use_cache
+    model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, *, use_cache, uniforms=None
 ) -> Rollout:
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
         raise ValueError(
@@ -160,6 +174,8 @@ def _decode(
         )
     device = ids.device
     b, width = ids.shape
+    if uniforms is not None and tuple(uniforms.shape) != (b, max_new_tokens):
+        raise ValueError(f"uniforms must be [rows, max_new_tokens] = [{b}, {max_new_tokens}], got {list(uniforms.shape)}")
     prompt_mask = _prompt_mask(width, lengths)
     stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
     tokens, real = ids, prompt_mask
@@ -170,7 +186,7 @@ def _decode(
     done = torch.zeros(b, dtype=torch.bool, device=device)
     new_tokens, new_logprobs, alive_cols = [], [], []
     for step in range(max_new_tokens):
-        token, logp = sample(logits, temperature, top_p, generator)
+        token, logp = sample(logits, temperature, top_p, generator, None if uniforms is None else uniforms[:, step : step + 1])
         alive = ~done
         token, logp = token.masked_fill(done, pad_id), logp.masked_fill(done, 0.0)
         new_tokens.append(token)

@@ -356,13 +356,14 @@ class Trainer:
                 max_new_tokens=prompts.max_new_tokens, temperature=temperature, top_p=top_p,
                 stop_tokens=() if cfg.rollout.ignore_eos else source.stop_ids, pad_id=source.pad_id,
             )
-            seed = _seed(*seed, 1 + gen.coords()[0])  # each replica its own stream
+            # keyed by the step and the row, not the replica: the same rollouts at any dp (generate.py)
+            seed = _seed(*seed)
             if gen.engine is not None:
-                out = gen.engine.generate(ids[lo:hi], seed=seed, **sampling)
+                out = gen.engine.generate(ids[lo:hi], seed=seed, first_row=lo, **sampling)
             else:
-                rng = torch.Generator(gen.part.device).manual_seed(seed)  # where sample() draws: the model's device
+                draws = torch.rand(len(ids), prompts.max_new_tokens, generator=torch.Generator().manual_seed(seed))
                 with torch.no_grad():
-                    out = generate(gen.part.module, ids[lo:hi], generator=rng, **sampling)
+                    out = generate(gen.part.module, ids[lo:hi], uniforms=draws[lo:hi], **sampling)
             # replicas stack: the same prompt width (the longest prompt of the whole batch) and response width
             local = _padded(out, max(width, prompts.max_new_tokens), source.pad_id, prompt_width=max(map(len, ids)))
         rows = gather_rows(gen, local, len(ids))
@@ -715,8 +716,8 @@ def _synchronize(device: torch.device) -> None:
 def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
     """One rank of ``nereus train`` (the process group is initialised from the environment).
 
-    With ``--resume`` the job restarts in the plan of its latest checkpoint (a controller may
-    have changed it). With ``controller.enabled`` rank 0 observes every step and decides
+    With ``resume`` the state of the latest checkpoint loads into ``cfg``'s plan, whatever the
+    plan it was saved in (``trainer/resume.py`` chooses the plan before the launch). With ``controller.enabled`` rank 0 observes every step and decides
     before the next; an admitted plan is broadcast and every rank moves to it
     (``Trainer.apply_plan``) before the step's checkpoint, so a checkpoint always holds the
     plan it was saved in. Returns the last step's metrics, or ``{"error": message}`` on every
@@ -728,8 +729,6 @@ def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
     torch.manual_seed(cfg.seed)
     try:
-        if resume:
-            cfg = resumed_plan(cfg)
         trainer = Trainer(cfg, device)
         try:
             first = trainer.restore() if resume else 0
@@ -775,25 +774,6 @@ def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
         dist.destroy_process_group()
 
 
-def resumed_plan(cfg: JobConfig) -> JobConfig:
-    """``cfg`` in the plan its latest committed checkpoint was saved in (every rank reads the
-    same store); the config's own plan when the checkpoint names none."""
-    from nereus.store.checkpoint import CheckpointStore
-
-    from .config import PlanConfig, _build, validate
-
-    store = CheckpointStore(os.path.join(cfg.run_dir, "checkpoints"))
-    if not store.steps():
-        return cfg
-    saved = store.manifest().plan
-    if not saved:
-        return cfg
-    plan = _build(PlanConfig, saved, "plan.")
-    resumed = replace(cfg, plan=plan)
-    validate(resumed)
-    return resumed
-
-
 class JobControl:
     """The controller's seam in the step loop, on every rank: rank 0 observes and decides,
     every rank applies the decision it broadcasts (module docstring of ``controller``)."""
@@ -827,8 +807,15 @@ class JobControl:
         if message[0] is not None:
             from .config import PlanConfig, _build
 
+            from nereus.reshard.errors import TransitionTimeout
+
             try:
                 done = trainer.apply_plan(_build(PlanConfig, message[0], "plan."), verify=trainer.cfg.controller.verify)
+            except TransitionTimeout as e:  # the group may hold pending ops: no collective on it again
+                raise RuntimeError(
+                    f"plan transition at step {metrics['step']} timed out: {e}. The process group cannot be reused: restart "
+                    "the workers (torchrun restarts them; nereus train --resume continues from the last checkpoint)"
+                ) from e
             except Exception as e:  # noqa: BLE001 - the old plan keeps running (apply_plan is all or nothing)
                 done = {"error": f"{type(e).__name__}: {e}"}
             # every rank runs this, failed or not: (failed, committed, peak) over the world

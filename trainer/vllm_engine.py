@@ -560,11 +560,13 @@ class VLLMEngine:
         stop_tokens: Sequence[int] = (),
         pad_id: int,
         seed: int = 0,
+        first_row: int = 0,
     ) -> Rollout:
         """Sample up to ``max_new_tokens`` per prompt; the ``Rollout`` of the built-in generator.
 
         Every rank of this rank's TP group must call it with the same arguments. Row i samples
-        with seed ``hash(seed, i)``, so a seed gives the same tokens on every TP rank and run.
+        with seed ``hash(seed, first_row + i)``, so a seed gives the same tokens on every TP
+        rank and run, and, with ``first_row`` the replica's first row of the batch, at any dp.
         """
         if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
             raise ValueError(
@@ -583,7 +585,7 @@ class VLLMEngine:
                 stop_token_ids=[int(t) for t in stop_tokens],
                 ignore_eos=True,  # only stop_tokens stop a row (see the module docstring)
                 logprobs=0,  # the sampled token's log-prob only
-                seed=_row_seed(seed, row),
+                seed=_row_seed(seed, first_row + row),
                 detokenize=False,
             )
             for row in range(len(prompts))

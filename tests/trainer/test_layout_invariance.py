@@ -192,3 +192,17 @@ def test_recompute_and_packed_micro_batches_give_the_same_update(tmp_path):
             bound = 0.0 if i == 0 else 1e-10  # recompute alone: the same kernels on the same inputs
             assert err <= bound, f"{plan}: {kind} differs by {err:.2e} at {where}"
 
+
+@pytest.mark.timeout(600)
+def test_the_rollout_layout_does_not_change_the_samples(tmp_path):
+    """Sampling is keyed by the step and the row, never by the dp replica: actor.gen over
+    dp4, dp2·tp2 or one rank samples the same responses, so the whole update agrees
+    (float64, 1e-10) — what lets a job resume on another number of processes."""
+    gen = [["plan.actor.gen.dp=4", "plan.actor.gen.tp=1"], ["plan.actor.gen.dp=2", "plan.actor.gen.tp=2"],
+           ["plan.actor.gen.dp=1", "plan.actor.gen.tp=1", "plan.actor.gen.ranks=[3]"]]
+    cfg = load_config(TINY_PPO, [*SMALL, "model.dtype=float64", "ppo.minibatch_size=12", f"run_dir={tmp_path}", *gen[0]])
+    results = run_layouts(cfg, gen)
+    assert results[0].metrics["response_length"] % 1, "rows of one length: the samples would barely matter"
+    for plan, worst in compare(results).items():
+        for kind, (err, where) in worst.items():
+            assert err <= 1e-10, f"{plan}: {kind} differs by {err:.2e} at {where}"

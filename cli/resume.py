@@ -1,0 +1,29 @@
+"""`nereus resume`: continue a stopped or crashed job on any number of processes."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+
+def resume(
+    run_dir: str = typer.Argument(..., help="The run directory of a `nereus train` job (its config.json and checkpoints)."),
+    nproc: Optional[int] = typer.Option(None, help="Worker processes to continue on (default: the run's nproc)."),
+    set_: List[str] = typer.Option([], "--set", help="Override a config key: --set steps=200, --set plan.actor.train.tp=2 (repeatable)."),
+) -> None:
+    """Continue RUN_DIR's job from its latest committed checkpoint on NPROC processes: in the
+    checkpoint's plan where it runs on NPROC ranks, else in the plan the controller chooses
+    for them (or the one --set plan... gives); the state loads into the new layouts."""
+    from nereus.cli.train import preflight, run_job
+    from nereus.trainer.config import ConfigError
+    from nereus.trainer.resume import resume_config
+
+    try:
+        cfg, how = resume_config(run_dir, nproc=nproc, overrides=list(set_))
+    except (ConfigError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    preflight(cfg)
+    typer.echo(f"resuming {run_dir} on {cfg.nproc} processes in {how}")
+    run_job(cfg, resume=True)

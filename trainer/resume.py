@@ -1,0 +1,81 @@
+"""Which plan a resumed job runs in, chosen before any worker starts (no process group).
+
+``nereus train --resume`` continues a job where it stopped, in the plan of its latest
+checkpoint (a controller may have changed it since the config was written):
+``resumed_plan``. ``nereus resume RUN_DIR [--nproc N] [--set ...]`` continues it on any
+number of processes: ``resume_config`` rebuilds the job from the run's resolved config
+(``RUN_DIR/config.json``, written at every start), and
+
+- with ``--set plan...``: the checkpoint's plan with those keys changed, validated;
+- else, if the checkpoint's plan runs on N ranks: that plan;
+- else: the controller's search plans the job for N ranks (``plan: auto``).
+
+The state then loads into whatever layouts the plan gives (``Trainer.restore``: each rank
+reads the boxes it needs from the checkpoint, through reshard's staged path); the prompt
+sampler's position, the LR schedules and the step counter come back with it, and rollouts
+are sampled by (step, row), never by replica, so the resumed job samples what the
+uninterrupted one would have (``generate.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from .config import ConfigError, JobConfig, PlanConfig, _build, load_config, validate
+
+
+def _saved_plan(run_dir: str) -> Mapping | None:
+    """The plan of the latest committed checkpoint under ``run_dir`` (None: no checkpoint,
+    or one that names no plan)."""
+    from nereus.store.checkpoint import CheckpointStore
+
+    store = CheckpointStore(os.path.join(run_dir, "checkpoints"))
+    return store.manifest().plan if store.steps() else None
+
+
+def resumed_plan(cfg: JobConfig) -> JobConfig:
+    """``cfg`` in the plan its latest committed checkpoint was saved in (every rank reads the
+    same store); the config's own plan when the checkpoint names none."""
+    saved = _saved_plan(cfg.run_dir)
+    if not saved:
+        return cfg
+    resumed = replace(cfg, plan=_build(PlanConfig, saved, "plan."))
+    validate(resumed)
+    return resumed
+
+
+def runs_on(plan: PlanConfig, nproc: int) -> bool:
+    """Whether every model-stage of ``plan`` places dp·tp·pp ranks within ``nproc``."""
+    for sc in plan.stages().values():
+        ranks = sc.ranks if sc.ranks is not None else tuple(range(nproc))
+        if len(ranks) != sc.dp * sc.tp * sc.pp or any(not 0 <= r < nproc for r in ranks):
+            return False
+    return True
+
+
+def resume_config(run_dir: str, *, nproc: int | None = None, overrides: Sequence[str] = ()) -> tuple[JobConfig, str]:
+    """The config ``nereus resume`` continues ``run_dir``'s job with, and how its plan was
+    chosen (module docstring). Errors name the run dir: no run there, no checkpoint."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{run_dir}: no config.json, so no `nereus train` run to resume here")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the run's config ({e})") from None
+    saved = _saved_plan(run_dir)
+    if saved is None:
+        raise FileNotFoundError(f"{run_dir}: no committed checkpoint to resume from")
+    data = {**data, "plan": dict(saved)}
+    given = [o for o in overrides if o.partition("=")[0].strip().startswith("plan.")]
+    over = [*overrides, f"run_dir={run_dir}", *([f"nproc={nproc}"] if nproc is not None else [])]
+    n = nproc if nproc is not None else int(data.get("nproc", 1))
+    if given:
+        return load_config(data, over), "the checkpoint's plan with " + ", ".join(o.partition("=")[0] for o in given)
+    if runs_on(_build(PlanConfig, saved, "plan."), n):
+        return load_config(data, over), f"the checkpoint's plan (it runs on {n} ranks)"
+    return load_config({**data, "plan": "auto"}, over), f"planned for {n} ranks by the controller (the checkpoint's plan needs another world)"
