@@ -16,7 +16,8 @@ buffers), the graph's rounds, the group's ranks and the options that shape messa
 
 The exchange is two ``all_gather`` s (sizes, then the pickled records, padded), posted
 asynchronously and awaited against the transition's :class:`~.transport.Deadline`;
-past it, :class:`~.errors.TransitionTimeout` (the group must be rebuilt). On a group with
+past it, :class:`~.errors.TransitionTimeout` (the group must be rebuilt); a rank that arrives
+after the deadline raises it at once, without posting. On a group with
 a CPU backend (gloo, or ``cpu:gloo,cuda:nccl``) the records travel as CPU tensors.
 """
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from . import errors
 from .checksum import crc32c
-from .errors import ProcessGroupError, ReshardError, TransferError
+from .errors import ProcessGroupError, ReshardError, TransferError, TransitionTimeout
 from .plan import TransferPlan
 from .transport import Deadline, Transport, object_device
 
@@ -96,9 +97,20 @@ def agree(
     print_: int | None = None,
     what: str = "reshard rejected on every rank before any byte moved",
     default: type[Exception] = ProcessGroupError,
+    name: str | None = None,
 ) -> None:
     """Exchange ``(print_, verdict)`` with every rank of ``group``; raise on EVERY rank when
-    any rank failed (its class, all messages) or when fingerprints differ."""
+    any rank failed (its class, all messages) or when fingerprints differ. A rank that gets
+    here after the deadline raises TransitionTimeout without posting anything (its peers
+    time out waiting for it), naming the agreement (``name``) and keeping its own verdict.
+    ``what`` is the failure message's lead, used only when some rank failed."""
+    if deadline.passed():
+        own = "" if verdict is None else f"; its own verdict, never posted: {verdict[0]}: {verdict[1]}"
+        raise TransitionTimeout(
+            f"rank {dist.get_rank()} reached {name or 'an agreement'} after the transition's deadline of "
+            f"{deadline.seconds:g} s had passed (its own checks, staging or reads took that long); it posted nothing, "
+            f"its peers time out waiting for it{own}. The process group is unusable now: destroy it and create a new one"
+        )
     records = _all_gather(pickle.dumps((print_, verdict)), group=group, n=len(members), transport=transport, deadline=deadline)
     prints = {}
     failed = []
@@ -146,11 +158,11 @@ def transport_wait(transport: Transport, device: torch.device, work, deadline: D
     """Wait for a collective: CPU tensors travel on the group's CPU backend (gloo, whose
     wait enforces the timeout), device tensors on the transport's."""
     if device.type == "cpu" and transport.device.type != "cpu":
-        Transport(device=device, coalesced=False, enforces_timeout=True, name="gloo").wait(
-            work, deadline, f"{what} (some rank of the group did not reach it)"
-        )
-        return
-    transport.wait(work, deadline, f"{what} (some rank of the group did not reach it)")
+        transport = Transport(device=device, coalesced=False, enforces_timeout=True, name="gloo")
+    try:
+        transport.wait(work, deadline, f"rank {dist.get_rank()}: {what} (some rank of the group did not reach it)")
+    except TransitionTimeout as e:
+        raise TransitionTimeout(f"{e}. The process group is unusable now: destroy it and create a new one") from e
 
 
 __all__ = ["Verdict", "verdict_of", "combine", "fingerprint", "agree"]

@@ -69,39 +69,72 @@ def region_span(box_lengths: Sequence[int], itemsize: int, offsets: Sequence[int
     return first * itemsize, (last + 1) * itemsize
 
 
-def region_runs(
-    box_lengths: Sequence[int], itemsize: int, offsets: Sequence[int], lengths: Sequence[int], *, merge: bool = True
-) -> list[tuple[int, int]]:
-    """The contiguous byte runs [start, end) of a region in a row-major box file, in order.
+def region_run_starts(
+    box_lengths: Sequence[int], itemsize: int, offsets: Sequence[int], lengths: Sequence[int]
+) -> tuple[np.ndarray, int]:
+    """The region's own contiguous runs in a row-major box file: (start byte of each run, in
+    file order, as int64; bytes per run).
 
     Let ``j`` be the first dimension after which the region spans the box whole; one run
-    then holds ``n[j] * prod(L[j+1:])`` elements and there are ``prod(n[:j])`` runs. Runs
-    separated by a gap no longer than a run are merged (reading the gap costs less than
-    a request), so the bytes fetched are under twice the region's; ``merge=False`` gives
-    the region's own runs, each holding its next elements in row-major order.
+    then holds ``n[j] * prod(L[j+1:])`` elements and there are ``prod(n[:j])`` runs. Run
+    ``r`` holds the region's row-major elements ``[r * run, (r + 1) * run)``.
     """
     if not box_lengths:
-        return [(0, itemsize)]
+        return np.zeros(1, dtype=np.int64), itemsize
     if not math.prod(lengths):
-        return []
+        return np.zeros(0, dtype=np.int64), 0
     nd = len(box_lengths)
     j = nd - 1
     while j > 0 and lengths[j] == box_lengths[j]:
         j -= 1
     strides = [math.prod(box_lengths[d + 1 :]) for d in range(nd)]
-    run = lengths[j] * strides[j] * itemsize
     base = np.array([offsets[j] * strides[j]], dtype=np.int64)
     for d in range(j - 1, -1, -1):  # outer dimensions vary slowest: runs come out in file order
         steps = np.arange(offsets[d], offsets[d] + lengths[d], dtype=np.int64) * strides[d]
         base = (steps[:, None] + base[None, :]).reshape(-1)
-    starts = (base * itemsize).tolist()
+    return base * itemsize, lengths[j] * strides[j] * itemsize
+
+
+def region_runs(
+    box_lengths: Sequence[int], itemsize: int, offsets: Sequence[int], lengths: Sequence[int], *, merge: bool = True
+) -> list[tuple[int, int]]:
+    """The contiguous byte runs [start, end) of a region in a row-major box file, in order
+    (:func:`region_run_starts`). Runs separated by a gap no longer than a run are merged
+    (reading the gap costs less than a request), so the bytes fetched are under twice the
+    region's; ``merge=False`` gives the region's own runs."""
+    starts, run = region_run_starts(box_lengths, itemsize, offsets, lengths)
     out: list[list[int]] = []
-    for s in starts:
+    for s in starts.tolist():
         if merge and out and s - out[-1][1] <= run:
             out[-1][1] = s + run
         else:
             out.append([s, s + run])
     return [(a, b) for a, b in out]
+
+
+def rowmajor_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Elements ``[start, stop)`` of an array of ``shape`` in row-major order, as at most
+    ``2 * ndim - 1`` boxes ``(offsets, lengths)``, in order: a partial first row (recursively),
+    the whole rows between, a partial last row (recursively)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    rest = tuple(shape[1:])
+    if first == last:
+        return [((first, *o), (1, *n)) for o, n in rowmajor_boxes(rest, start - first * inner, stop - first * inner)]
+    out = []
+    if start > first * inner:
+        out += [((first, *o), (1, *n)) for o, n in rowmajor_boxes(rest, start - first * inner, inner)]
+        first += 1
+    whole = stop // inner
+    if whole > first:
+        out.append(((first, *(0,) * len(rest)), (whole - first, *rest)))
+    if stop > whole * inner:
+        out += [((whole, *o), (1, *n)) for o, n in rowmajor_boxes(rest, 0, stop - whole * inner)]
+    return out
 
 
 def blocks_of(start: int, end: int, block: int = BLOCK) -> range:
@@ -121,6 +154,6 @@ def block_runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
 
 
 __all__ = [
-    "CHECKSUM", "BLOCK", "crc32c", "tensor_crc32c", "block_checksums", "region_span", "region_runs", "blocks_of",
-    "block_runs",
+    "CHECKSUM", "BLOCK", "crc32c", "tensor_crc32c", "block_checksums", "region_span", "region_run_starts", "region_runs",
+    "rowmajor_boxes", "blocks_of", "block_runs",
 ]

@@ -5,29 +5,40 @@ built with ``staged=True`` marks regions whose source ranks are gone as read fro
 staged checkpoint (``src_rank == STAGED``); one transition may mix both per EMU. Order:
 
 1. each rank checks its staged part (the boxes it reads exist whole at the staged
-   version, and with ``checksums`` every block it will read matches its CRC32C) without
-   touching any buffer; any exception there (a damaged ``metadata.json`` included)
-   becomes the rank's verdict;
+   version, and with ``checksums`` each has its block checksums) from the metadata and a
+   listing, reading no byte of the data and touching no buffer; any exception there (a
+   damaged ``metadata.json`` included) becomes the rank's verdict;
 2. :func:`~nereus.reshard.stream.execute_stream` validates its own part and AGREES across
    the group: a problem on any rank (staged or stream) makes every rank raise the same
    error before any byte moves;
 3. the rounds run: streamed transfers point-to-point, staged regions read through DCP
    (:func:`~nereus.reshard.staged.load_staged`) in the round the graph placed them, so
-   the memory the graph planned is the memory used.
+   the memory the graph planned is the memory used. With ``checksums`` each staged block
+   is verified on the bytes that read fetches (one read per byte, object stores included);
+   a block that fails is recorded and, after the last round, every rank raises the same
+   :class:`~nereus.reshard.errors.TransferError` (as for a streamed message that fails its
+   checksum). Sources handed over (``release_sources``) are then already freed: the old
+   state survives such a failure only where the caller kept it.
 
 :func:`reshard_staged` is the full fallback on live ranks, for when no memory-feasible
 stream schedule exists: every rank stages its source boxes, the group agrees (which is
-also the barrier), sources are released if the caller handed them over, then every rank
-loads all its target regions from the staged checkpoint. Peak memory per rank is then
-``max(source, target)`` instead of up to ``source + target``.
+also the barrier) and agrees again that every box it reads is there whole, sources are
+released if the caller handed them over, then every rank loads all its target regions from
+the staged checkpoint (verified on the bytes read) and the group agrees a last time, so a
+load that fails anywhere fails everywhere. Peak memory per rank is then ``max(source,
+target)`` (plus one piece of at most ``graph.STAGED_PIECE_BYTES`` on object stores) instead
+of up to ``source + target``.
 
 :func:`reshard` is the documented pattern tying them together: plan the transition graph
 under a memory budget; if the graph planner raises :class:`MemoryBudgetError`, fall back to
 :func:`reshard_staged` (the decision is a pure function of the plan, so every rank takes
 the same branch).
 
-Every collective of one call runs under the call's ``timeout`` (one deadline); past it,
-:class:`~nereus.reshard.errors.TransitionTimeout` and the process group must be rebuilt.
+Every collective of one call runs under the call's ``timeout``: one deadline, set when the
+call starts (before the pre-check and any staging), so time a rank spends in its own checks
+or I/O counts. A rank that reaches an agreement past it raises at once; its peers raise
+when their wait reaches it: :class:`~nereus.reshard.errors.TransitionTimeout` on every
+rank, and the process group must be rebuilt.
 """
 
 from __future__ import annotations
@@ -38,11 +49,11 @@ from typing import Collection, MutableMapping
 import torch
 
 from .agreement import agree, verdict_of
-from .errors import CoverageError, MemoryBudgetError
+from .errors import CoverageError, MemoryBudgetError, ProcessGroupError, TransferError
 from .layout import DTYPES
 from .plan import STAGED, Transfer, TransferPlan
 from .staged import StagedLoadPlanner, StagedReader, check_staged, load_staged, run_load, save_staged, staged_transfers
-from .stream import StagingArena, StreamResult, StreamStats, execute_stream, group_ranks
+from .stream import StagingArena, StreamResult, StreamStats, _check_buffer, execute_stream, group_ranks
 from .transport import Deadline, transport_for
 
 
@@ -70,10 +81,13 @@ def execute(
     Returns this rank's target buffers (a :class:`StreamResult`, with ``.stats``).
     Raises, on every rank and before any byte moves, CoverageError when the plan reads
     staged regions but ``staged_path`` is None or lacks a box (or has it at another
-    version), TransferError when a staged block fails its CRC32C (``checksums``),
-    ProcessGroupError for stream problems or ranks that planned differently.
+    version, or without checksums when ``checksums``), ProcessGroupError for stream
+    problems or ranks that planned differently; on every rank after the last round,
+    TransferError when a staged block fails its CRC32C or a message its checksum
+    (``checksums``: verified on the bytes read); TransitionTimeout past ``timeout``.
     ``device``/``transport``: as for :func:`~nereus.reshard.stream.execute_stream`.
     """
+    deadline = Deadline(timeout)  # the transition's one deadline: the pre-check counts
     mine = staged_transfers(plan, rank)
     readers: list[StagedReader] = []
 
@@ -81,6 +95,7 @@ def execute(
         reader = check_staged(staged_path, mine if staged_path else _all_staged(plan), checksums=checksums,
                               version=staged_version)
         if reader is not None:
+            reader.deadline = deadline  # checked between the pieces the load fetches
             readers.append(reader)
 
     extra = verdict_of(precheck)
@@ -106,6 +121,7 @@ def execute(
         transport=transport,
         staged_load=staged_load,
         options=(staged_path is not None, staged_version),
+        deadline=deadline,
     )
     if dst_buffers is not None:
         dst_buffers.update(out)
@@ -146,8 +162,12 @@ def reshard_staged(
     boxes): under a default the live ranks' fresh boxes would be read beside whatever an
     earlier state left at that version, silently mixed. With
     ``release_sources`` this rank's source buffers are popped from ``src_buffers`` once
-    every box is staged and verified; otherwise local regions are copied in memory and
-    sources stay intact. Both agreements run under one ``timeout``.
+    every box is staged and present whole; otherwise local regions are copied in memory
+    and sources stay intact. With ``checksums`` every block is verified on the bytes the
+    load reads (one read); a rank whose load fails (a block that fails its CRC32C, an I/O
+    error) makes every rank raise the same error in the last agreement — sources released
+    before the load are gone by then. The three agreements and the work between them run
+    under one ``timeout`` from entry.
     """
     members = group_ranks(group)
     live = set(members) if live is None else set(live)
@@ -170,24 +190,45 @@ def reshard_staged(
 
     verdict = verdict_of(stage)
     # also the barrier: all boxes are staged
-    agree(verdict, group=group, members=members, transport=transport, deadline=deadline)
+    agree(verdict, group=group, members=members, transport=transport, deadline=deadline,
+          name="the agreement after staging")
     wanted = [t for t in plan.transfers if t.dst_rank == rank]
     local = [] if release_sources else [t for t in wanted if t.src_rank == rank]
     loads = [t for t in wanted if release_sources or t.src_rank != rank]
-    agree(verdict_of(lambda: check_staged(path, loads, checksums=checksums, version=version)), group=group,
-          members=members, transport=transport, deadline=deadline)
+    readers: list[StagedReader] = []
+
+    def precheck() -> None:  # the targets given; presence, sizes, checksums listed: no byte of data read
+        targets = plan.dst_buffers.get(rank, {})
+        problems = [p for name, tensor in (dst_buffers or {}).items()
+                    for p in _check_buffer("target", name, tensor, targets.get(name), rank)]
+        if problems:
+            more = f"; {len(problems) - 4} more" if len(problems) > 4 else ""
+            raise ProcessGroupError(f"rank {rank}: " + "; ".join(problems[:4]) + more)
+        reader = check_staged(path, loads, checksums=checksums, version=version)
+        if reader is not None:
+            reader.deadline = deadline  # checked between the pieces the load fetches
+            readers.append(reader)
+
+    agree(verdict_of(precheck), group=group, members=members, transport=transport, deadline=deadline,
+          name="the agreement after the staged pre-check")
     if release_sources:
         for name in plan.src_buffers.get(rank, {}):
             src_buffers.pop(name, None)
     out = StreamResult(dst_buffers or {})
     out.stats = StreamStats()
-    for name, spec in plan.dst_buffers.get(rank, {}).items():
-        if name not in out:
-            out[name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=transport.device)
-    for t in local:
-        t.dst_view(out).copy_(t.src_view(src_buffers))
-        out.stats.bytes_copied += t.nbytes
-    out.stats.bytes_staged = load_staged(path, plan, rank, out, transfers=loads, verified=True, version=version)
+
+    def load() -> None:  # allocation, local copies and the load: any failure reaches the agreement
+        for name, spec in plan.dst_buffers.get(rank, {}).items():
+            if name not in out:
+                out[name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=transport.device)
+        for t in local:
+            t.dst_view(out).copy_(t.src_view(src_buffers))
+            out.stats.bytes_copied += t.nbytes
+        out.stats.bytes_staged = load_staged(path, plan, rank, out, transfers=loads, verified=True, version=version,
+                                             reader=readers[0] if readers else None)
+
+    agree(verdict_of(load), group=group, members=members, transport=transport, deadline=deadline,
+          what="the staged load failed", default=TransferError, name="the agreement after the staged load")
     if dst_buffers is not None:
         dst_buffers.update(out)
     return out

@@ -8,8 +8,16 @@ non-local transfer costs transient bytes: ``nbytes`` on the sender when its sour
 is not one contiguous span of the buffer (it is packed into a send buffer), ``nbytes`` on
 the receiver when its destination region is not (it is received into a staging buffer,
 then copied), and ``nbytes`` on both sides when it is smaller than ``coalesce`` (small
-transfers travel packed together, ``messages.COALESCE_BYTES``). Staged reads (``src == STAGED``) count on the receiver only; local copies
-(``copy_`` between views) cost nothing transient. So during round k a rank holds
+transfers travel packed together, ``messages.COALESCE_BYTES``); local copies (``copy_``
+between views) cost nothing transient. Staged reads (``src == STAGED``) count on the receiver
+only, and differently: a staged read fetches its bytes in pieces and copies each into its
+target at once, and the staged reads of one rank's round run one after another, so they
+share one allowance of ``STAGED_PIECE_BYTES`` — the reader never holds more fetched bytes
+at a time: a verified read fetches whole checksum blocks (one default block is
+``STAGED_PIECE_BYTES``), however small its region, and a read into a strided device target
+is copied through pieces of that size (a read from a memory-mapped local file into a CPU
+or contiguous target holds none).
+So during round k a rank holds
 
     held(k) = sources not yet freed + targets allocated at or before k + transients of k,
 
@@ -57,6 +65,10 @@ from .arrays import LINK_CLASSES, TransferArrays, link_classes
 from .errors import MemoryBudgetError
 from .messages import COALESCE_BYTES
 from .plan import STAGED
+
+STAGED_PIECE_BYTES = 4 << 20
+"""The most a rank's staged reads of one round hold at once beside their targets (fetched
+bytes not yet copied; ``staged.StagedReader``): what the graph charges a round with any."""
 
 RESERVE_BYTES = 64 << 10
 """What ``reshard()`` leaves free per rank under a budget for the executor's bookkeeping:
@@ -355,13 +367,23 @@ def _limits(budget: int | Mapping[int, int] | None, width: int) -> np.ndarray:
 
 
 def _transients(a: TransferArrays, coalesce: int = COALESCE_BYTES) -> tuple[np.ndarray, np.ndarray]:
-    """Transient bytes per transfer on the sender and on the receiver (module docstring)."""
+    """Transient bytes per transfer on the sender and on the receiver (module docstring); a
+    staged read's is its claim on its round's shared allowance (the largest claim)."""
     local = a.src == a.dst
     live = a.src != STAGED
     small = live & (a.nbytes < coalesce)
     sender = np.where(~local & live & (~a.src_contig | small), a.nbytes, 0)
-    receiver = np.where(~local & (~a.dst_contig | small), a.nbytes, 0)
+    receiver = np.where(live, np.where(~local & (~a.dst_contig | small), a.nbytes, 0), STAGED_PIECE_BYTES)
     return sender, receiver
+
+
+def _grouped_cummax(values: np.ndarray, group_start: np.ndarray) -> np.ndarray:
+    """Inclusive running maximum within runs of non-negative values (as ``_grouped_cumsum``)."""
+    if not len(values):
+        return values
+    group = np.cumsum(group_start == np.arange(len(values)))
+    lift = group * (int(values.max()) + 1)  # later runs sit above earlier ones: the maximum restarts
+    return np.maximum.accumulate(values + lift) - lift
 
 
 def _priority(a: TransferArrays, width: int) -> np.ndarray:
@@ -397,6 +419,7 @@ class _Schedule:
     """The greedy round filling of :func:`plan_graph` (private, mutable)."""
 
     PASSES = 4  # vectorized passes per round before the round is closed
+    EVENTS = ("ev_t", "ev_rank", "ev_msg", "ev_cost", "ev_buf", "ev_staged")
     WINDOW = 2  # candidates: each rank's first WINDOW * max_messages pending messages
 
     def __init__(self, a: TransferArrays, limit: np.ndarray, release: bool, cap: int, width: int, coalesce: int) -> None:
@@ -442,6 +465,7 @@ class _Schedule:
         t, is_send = t[o], is_send[o]
         self.ev_t, self.ev_rank = t.astype(np.int32), rank[o].astype(np.int32)
         self.ev_msg = is_send | ~local[t]
+        self.ev_staged = ~is_send & (a.src[t] == STAGED)  # a staged read: its cost shares the round's allowance
         self.ev_cost = np.where(is_send, sender[t], receiver[t])
         self.ev_buf = np.where(is_send, -1, a.dst_buf[t]).astype(np.int32)
 
@@ -461,7 +485,7 @@ class _Schedule:
 
     def _round(self, k: int) -> None:
         keep = ~self.done[self.ev_t]
-        for name in ("ev_t", "ev_rank", "ev_msg", "ev_cost", "ev_buf"):
+        for name in self.EVENTS:
             setattr(self, name, getattr(self, name)[keep])
         cand = ~self.done
         eligible = np.ones(len(self.ev_t), dtype=bool)
@@ -476,7 +500,7 @@ class _Schedule:
         cand[self.ev_t[self.ev_msg & (position >= self.WINDOW * self.cap)]] = False
         pick = cand[self.ev_t]
         ids = np.flatnonzero(cand)
-        ev = {name[3:]: getattr(self, name)[pick] for name in ("ev_t", "ev_rank", "ev_msg", "ev_cost", "ev_buf")}
+        ev = {name[3:]: getattr(self, name)[pick] for name in self.EVENTS}
         index = np.empty(len(self.a), dtype=np.int64)
         index[ids] = np.arange(len(ids))
         ev["local"] = index[ev["t"]]
@@ -501,17 +525,19 @@ class _Schedule:
         )
 
     def _passes(self, k: int, ids: np.ndarray, ev: dict) -> np.ndarray:
-        rank, msg, cost, buf, local = ev["rank"], ev["msg"], ev["cost"], ev["buf"], ev["local"]
+        rank, msg, cost, buf, local, staged = ev["rank"], ev["msg"], ev["cost"], ev["buf"], ev["local"], ev["staged"]
         starts = _run_starts(rank)
         slots = np.full(self.width, self.cap, dtype=np.int64)
         headroom = self.limit - self.held
+        reads = np.zeros(self.width, dtype=np.int64)  # per rank, the staged allowance taken this round (largest claim)
         open_ = np.ones(len(ids), dtype=bool)  # candidates not yet taken or dropped
         taken = []
         for _ in range(self.PASSES):
             alive = open_[local]
             bad = msg & (slots[rank] <= 0)
             if self.bounded:
-                bad |= self._own_cost(cost, buf) > headroom[rank]
+                alone = np.where(staged, np.maximum(cost - reads[rank], 0), cost)
+                bad |= self._own_cost(alone, buf) > headroom[rank]
             open_[local[alive & bad]] = False
             alive = open_[local]
             if not alive.any():
@@ -522,15 +548,21 @@ class _Schedule:
                 fresh = np.flatnonzero(alive & (buf >= 0))
                 fresh = fresh[~self.allocated[buf[fresh]]]
                 _, first = np.unique(buf[fresh], return_index=True)
-                charge = np.where(alive, cost, 0)
+                charge = np.where(alive & ~staged, cost, 0)
                 charge[fresh[first]] += self.a.dst_buffers.nbytes[buf[fresh[first]]]
-                ok &= _grouped_cumsum(charge, starts) <= headroom[rank]
+                used = reads[rank]
+                shared = np.maximum(_grouped_cummax(np.where(alive & staged, cost, 0), starts), used) - used
+                ok &= _grouped_cumsum(charge, starts) + shared <= headroom[rank]
             accept = open_.copy()
             accept[local[alive & ~ok]] = False
             now = accept[local]
             np.subtract.at(slots, rank[now & msg], 1)
             if self.bounded:
-                np.subtract.at(headroom, rank[now], cost[now])
+                np.subtract.at(headroom, rank[now & ~staged], cost[now & ~staged])
+                grown = reads.copy()
+                np.maximum.at(grown, rank[now & staged], cost[now & staged])
+                headroom -= grown - reads
+                reads = grown
                 headroom -= self._allocate(buf[now & (buf >= 0)])
             open_ &= ~accept
             taken.append(ids[accept])
@@ -573,9 +605,12 @@ def _peaks(a: TransferArrays, round_of, alloc_round, free_round, rounds: int, wi
     held = during.copy()
     sender, receiver = _transients(a, coalesce)
     flat = during.reshape(-1)
-    sends = a.src != STAGED
-    np.add.at(flat, round_of[sends] * width + a.src[sends], sender[sends])
-    np.add.at(flat, round_of * width + a.dst, receiver)
+    live = a.src != STAGED
+    np.add.at(flat, round_of[live] * width + a.src[live], sender[live])
+    np.add.at(flat, round_of[live] * width + a.dst[live], receiver[live])
+    reads = np.zeros(rounds * width, dtype=np.int64)  # a round's staged reads share one allowance: the largest
+    np.maximum.at(reads, round_of[~live] * width + a.dst[~live], receiver[~live])
+    flat += reads
     return np.maximum(start, during.max(axis=0)), held
 
 

@@ -39,7 +39,11 @@ Loading goes through ``torch.distributed.checkpoint.load`` with two narrow piece
   filesystems get ranged reads of the items' contiguous runs (``checksum.region_runs``:
   runs separated by less than a run are merged, so under 2x the region's bytes). With
   ``verify`` the reader fetches whole checksum blocks instead and checks each block's
-  CRC32C on the very bytes it then copies from: one read, verified;
+  CRC32C on the very bytes it then copies from: one read, verified. Fetches go in pieces
+  of at most ``graph.STAGED_PIECE_BYTES`` (less when the transfers are smaller), each
+  copied into the targets before the next is fetched (:mod:`.pieces`), so a read holds at
+  most what the transition graph counted for it beside the targets. Before a load, :func:`check_staged`
+  checks presence, sizes and checksum lists only: no byte of data is read twice;
 - :class:`StagedLoadPlanner` (a DCP ``LoadPlanner``) whose local plan is exactly the
   transition plan's ``ReadItem`` s for this rank and whose ``resolve_tensor`` returns the
   destination view, so bytes land in the target buffers with one copy.
@@ -76,9 +80,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .checksum import BLOCK, block_checksums, block_runs, blocks_of, crc32c, region_runs
-from .errors import CoverageError, LayoutError, TransferError
+from .checksum import BLOCK, block_checksums, crc32c, region_run_starts, region_runs
+from .errors import CoverageError, LayoutError, TransferError, TransitionTimeout
+from .graph import STAGED_PIECE_BYTES
 from .layout import DTYPES, Dims, TensorLayout, box_view, itemsize, shard_view
+from .pieces import BlockCheck, Region, batches, check_block, fill, merge_ranges, union_blocks
 from .plan import STAGED, Transfer, TransferPlan
 
 SCHEMA = 2
@@ -316,6 +322,7 @@ class StagedReader(StorageReader):
         self.metadata: Metadata | None = None
         self.boxes: dict[MetadataIndex, StagedBox] = {}
         self.bytes_read = 0
+        self.deadline = None  # a transport.Deadline: checked between the batches of pieces a read fetches
         self._sums: dict[str, tuple[int, tuple[str, ...]]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -379,8 +386,10 @@ class StagedReader(StorageReader):
         return box
 
     def check(self, items: Iterable[ReadItem], *, checksums: bool = False) -> None:
-        """Raise unless every box the items read exists whole; with ``checksums``, also
-        verify the blocks the items read (CRC32C, from the record or the sidecars)."""
+        """Raise unless every box the items read exists whole (its size, from a listing: no
+        byte of it is read); with ``checksums``, unless each has its block checksums (the
+        record's or a sidecar, one per block). The blocks themselves are verified by the
+        load, on the bytes it reads (:meth:`read_data`)."""
         items = list(items)
         for box in {id(b): b for b in (self.box(i) for i in items)}.values():
             try:
@@ -399,9 +408,8 @@ class StagedReader(StorageReader):
                 raise CoverageError(
                     f"{box.where()} has {size} bytes, expected {box.nbytes} ({list(box.lengths)} {box.dtype}): truncated or foreign"
                 )
-        if checksums:
-            for box, its in self._by_box(items):
-                self._verified_bytes(box, its, fetch=not self.local)
+            if checksums:
+                self._checksums(box)
 
     def _by_box(self, items: Iterable[ReadItem]) -> list[tuple[StagedBox, list[ReadItem]]]:
         groups: dict[str, list[ReadItem]] = defaultdict(list)
@@ -413,41 +421,29 @@ class StagedReader(StorageReader):
         return [(boxes[p], its) for p, its in groups.items()]
 
     def _checksums(self, box: StagedBox) -> tuple[int, tuple[str, ...]]:
+        """The box's (block size, CRC32C per block): from the record, else its sidecar;
+        TransferError unless there is exactly one per block of the box."""
         if box.checksums is not None:
-            return box.block, box.checksums
-        if box.path not in self._sums:
+            block, sums = box.block, box.checksums
+        elif box.path in self._sums:
+            block, sums = self._sums[box.path]
+        else:
             try:
                 raw = json.loads(self.fs.cat_file(box.path + SIDECAR))
-                self._sums[box.path] = int(raw["block"]), tuple(raw["crc32c"])
+                block, sums = int(raw["block"]), tuple(raw["crc32c"])
             except FileNotFoundError:
                 raise CoverageError(f"{box.where()} has no {SIDECAR} sidecar (staged without checksums)") from None
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
                 raise TransferError(f"{box.where()}: its {SIDECAR} sidecar is damaged") from None
-        return self._sums[box.path]
-
-    def _verified_bytes(self, box: StagedBox, items: Sequence[ReadItem], *, fetch: bool) -> dict[tuple[int, int], memoryview]:
-        """Check the CRC32C of every block the items touch; returns the fetched block runs
-        ``{(start, end): bytes}`` (``fetch``) or nothing (local: checked on the memory map)."""
-        block, sums = self._checksums(box)
-        needed = sorted({b for i in items for a, z in box.runs(i.storage_offsets, i.lengths) for b in blocks_of(a, z, block)})
-        if needed and needed[-1] >= len(sums):
-            raise TransferError(f"{box.where()} has more blocks than its {len(sums)} checksums: corrupted")
-        whole = None if fetch else self._map(box)
-        out = {}
-        ranges = [(a * block, min(z * block, box.nbytes)) for a, z in block_runs(needed)]
-        data = self._cat(box, ranges) if fetch else [whole[a:z] for a, z in ranges]
-        for (a, z), raw in zip(ranges, data):
-            for b in range(a // block, -(-z // block)):
-                lo, hi = b * block - a, min((b + 1) * block, z) - a
-                got = f"{crc32c(raw[lo:hi]):08x}"
-                if got != sums[b]:
-                    raise TransferError(
-                        f"{box.where()} has crc32c {got} in bytes [{b * block}, {min((b + 1) * block, box.nbytes)}), "
-                        f"staged as {sums[b]}: corrupted"
-                    )
-            if fetch:
-                out[a, z] = memoryview(raw)
-        return out
+            self._sums[box.path] = block, sums
+        if block > 0 and block % itemsize(box.dtype):
+            raise TransferError(
+                f"{box.where()} has {block}-byte checksum blocks, not a multiple of its {itemsize(box.dtype)}-byte "
+                f"{box.dtype} elements: foreign or corrupted"
+            )
+        if block <= 0 or len(sums) != max(1, -(-box.nbytes // block)):
+            raise TransferError(f"{box.where()} has {len(sums)} checksums of {block}-byte blocks for {box.nbytes} bytes: corrupted")
+        return block, sums
 
     def _cat(self, box: StagedBox, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         if not ranges:
@@ -456,65 +452,97 @@ class StagedReader(StorageReader):
         if len(ranges) == 1:
             (a, z), = ranges
             return [self.fs.cat_file(box.path, start=a, end=z)]
-        return self.fs.cat_ranges([box.path] * len(ranges), [a for a, _ in ranges], [z for _, z in ranges])
-
-    def _map(self, box: StagedBox) -> np.ndarray:
-        return np.memmap(box.path, dtype=np.uint8, mode="r", shape=(box.nbytes,)) if box.nbytes else np.zeros(0, np.uint8)
-
-    def mapped(self, box: StagedBox) -> torch.Tensor:
-        """The whole box as a tensor over a copy-on-write memory map of a local file:
-        nothing is read until a region's pages are touched."""
-        if not box.nbytes:
-            return torch.empty(box.lengths, dtype=DTYPES[box.dtype])
-        raw = torch.from_numpy(np.memmap(box.path, dtype=np.uint8, mode="c", shape=(box.nbytes,)))
-        return raw.view(DTYPES[box.dtype]).view(box.lengths)
-
-    def _region(self, box: StagedBox, item: ReadItem, fetched: Mapping[tuple[int, int], memoryview]) -> torch.Tensor:
-        """The item's region, assembled from fetched byte ranges (one copy of its runs)."""
-        size = itemsize(box.dtype)
-        spans = sorted(fetched)
-        out = np.empty(math.prod(item.lengths) * size, dtype=np.uint8)
-        at = k = 0
-        for a, z in region_runs(box.lengths, size, item.storage_offsets, item.lengths, merge=False):
-            while not (spans[k][0] <= a and z <= spans[k][1]):
-                k += 1
-            lo = spans[k][0]
-            out[at : at + z - a] = np.frombuffer(fetched[spans[k]][a - lo : z - lo], dtype=np.uint8)
-            at += z - a
-        return torch.from_numpy(out).view(DTYPES[box.dtype]).view(tuple(item.lengths))
+        n = len(ranges)
+        return self.fs.cat_ranges([box.path] * n, [a for a, _ in ranges], [z for _, z in ranges], on_error="raise")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Copy every item's region into its target, box by box, verifying (``verify``) each
+        block on the bytes the copies come from.
+
+        Local files: one copy-on-write memory map per box; checksums run on the map, then
+        the regions are copied from it (pages are read once, as touched). Other
+        filesystems: the byte ranges the items need (their runs, or with ``verify`` the
+        whole blocks that cover them) are fetched in pieces of at most ``limit`` bytes in
+        all at a time, each piece's bytes copied into the targets straight away, so a read
+        holds at most ``limit`` bytes beside its targets (``StagedLoadPlanner.piece_bytes``:
+        what the transition graph counted for it). A verified read fetches whole checksum
+        blocks, so its pieces are ``STAGED_PIECE_BYTES`` (one default block) whatever the
+        region's size — not the region's bytes, which would fetch a 4 MiB block in
+        thousands of requests; the graph charges every staged read that much. A local
+        read into a non-contiguous target on a device (a strided CUDA view, which
+        ``copy_`` would stage whole on the device) is copied in the same bounded pieces.
+        ``self.deadline``, when set, is checked between batches."""
+        limit = planner.piece_bytes if isinstance(planner, StagedLoadPlanner) else STAGED_PIECE_BYTES
+        if self.verify:
+            limit = STAGED_PIECE_BYTES
         for box, items in self._by_box(plan.items):
+            targets = [planner.resolve_tensor(i) for i in items]
             if self.local:
-                if self.verify:
-                    self._verified_bytes(box, items, fetch=False)
-                whole = self.mapped(box)  # pages are read as the copies touch them: the regions' own bytes
-                self.bytes_read += sum(math.prod(i.lengths) for i in items) * itemsize(box.dtype)
-                regions = [box_view(whole, tuple(i.storage_offsets), tuple(i.lengths)) for i in items]
+                self._read_mapped(box, items, targets)
             else:
-                if self.verify:
-                    fetched = self._verified_bytes(box, items, fetch=True)
-                else:
-                    merged = _merge([r for i in items for r in box.runs(i.storage_offsets, i.lengths)])
-                    fetched = {r: memoryview(b) for r, b in zip(merged, self._cat(box, merged))}
-                regions = [self._region(box, i, fetched) for i in items]
-            for item, region in zip(items, regions):
-                target = planner.resolve_tensor(item)
-                target.copy_(region)
+                self._read_pieces(box, items, targets, limit)
+            for item, target in zip(items, targets):
                 planner.commit_tensor(item, target)
         done: Future = Future()
         done.set_result(None)
         return done
 
-
-def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for a, z in sorted(set(ranges)):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], z)
+    def _read_mapped(self, box: StagedBox, items: Sequence[ReadItem], targets: Sequence[torch.Tensor]) -> None:
+        if not box.nbytes:
+            return
+        raw = self._map(box)
+        size = itemsize(box.dtype)
+        if self.verify:
+            block, sums = self._checksums(box)
+            needed = union_blocks([region_run_starts(box.lengths, size, i.storage_offsets, i.lengths) for i in items], block)
+            for first, end in needed:
+                for b in range(first, end):
+                    lo, hi = b * block, min((b + 1) * block, box.nbytes)
+                    check_block(box, b, lo, hi, f"{crc32c(raw[lo:hi]):08x}", sums[b])
+                self.bytes_read += min(end * block, box.nbytes) - first * block
         else:
-            out.append([a, z])
-    return [(a, z) for a, z in out]
+            self.bytes_read += sum(math.prod(i.lengths) for i in items) * size  # the pages the copies touch
+        flat = torch.from_numpy(raw).view(DTYPES[box.dtype])
+        whole = flat.view(box.lengths)
+        for item, target in zip(items, targets):
+            if target.device.type != "cpu" and not target.is_contiguous():
+                # copy_ from a strided CPU view into a strided device view stages the whole region
+                # on the device: copy in pieces of at most STAGED_PIECE_BYTES instead
+                region = Region(box, item, target)
+                if not len(region.starts):
+                    continue
+                ranges = merge_ranges(region_runs(box.lengths, size, region.offsets, region.lengths))
+                for batch in batches(ranges, STAGED_PIECE_BYTES, size):
+                    self._check_deadline(box)
+                    for a, z in batch:
+                        region.copy_from(flat[a // size : z // size], a, z)
+                continue
+            target.copy_(box_view(whole, tuple(item.storage_offsets), tuple(item.lengths)))
+
+    def _check_deadline(self, box: StagedBox) -> None:
+        if self.deadline is not None and self.deadline.passed():
+            raise TransitionTimeout(
+                f"reading {box.where()} ran past the transition's deadline of {self.deadline.seconds:g} s"
+            )
+
+    def _read_pieces(self, box: StagedBox, items: Sequence[ReadItem], targets: Sequence[torch.Tensor], limit: int) -> None:
+        size = itemsize(box.dtype)
+        regions = [r for r in (Region(box, i, t) for i, t in zip(items, targets)) if len(r.starts)]
+        if self.verify:
+            blocks = BlockCheck(box, *self._checksums(box))
+            ranges = blocks.ranges(regions)
+        else:
+            blocks = None
+            ranges = merge_ranges([s for r in regions for s in region_runs(box.lengths, size, r.offsets, r.lengths)])
+        with warnings.catch_warnings():  # pieces are read-only bytes; they are only copied from
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for batch in batches(ranges, limit, size):
+                self._check_deadline(box)
+                fill(box, batch, self._cat(box, batch), regions, blocks)  # the batch is freed before the next
+
+    def _map(self, box: StagedBox) -> np.ndarray:
+        """A copy-on-write memory map of a local box file (nothing is read until touched)."""
+        return np.memmap(box.path, dtype=np.uint8, mode="c", shape=(box.nbytes,))
 
 
 class StagedLoadPlanner(LoadPlanner):
@@ -545,6 +573,13 @@ class StagedLoadPlanner(LoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         raise CoverageError(f"staged checkpoints hold tensors only, not bytes ({read_item.dest_index.fqn!r})")
 
+    @property
+    def piece_bytes(self) -> int:
+        """What the reader may hold beside the targets while it reads these transfers, as
+        ``graph.plan_graph`` counts a round's staged reads: the largest one's bytes, at most
+        ``STAGED_PIECE_BYTES`` (the reads run one after another)."""
+        return min(STAGED_PIECE_BYTES, max((t.nbytes for ts in self.transfers.values() for t in ts), default=0))
+
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         return self.transfers[read_item][0].dst_view(self.dst)
 
@@ -561,9 +596,14 @@ def staged_transfers(plan: TransferPlan, rank: int) -> list[Transfer]:
 def check_staged(
     path: str | None, transfers: Sequence[Transfer], *, checksums: bool = False, version: int | None = None
 ) -> StagedReader | None:
-    """Raise (CoverageError / TransferError) unless ``path`` holds every box these
-    transfers read, whole, at ``version`` (default: the newest staged), and with ``checksums``
-    every block they read matching its CRC32C; writes no target. Returns the reader."""
+    """Raise (CoverageError / TransferError) unless ``path`` holds every box these transfers
+    read, whole, at ``version`` (default: the newest staged) and, with ``checksums``, with
+    its block checksums — from the metadata and file sizes alone, reading no byte of the
+    data and writing no target: the blocks themselves are NOT verified here. Returns the
+    reader for the load, which verifies each block on the bytes it reads
+    (``verify=checksums``; checking the blocks here too would read everything twice):
+    pass it to ``load_staged(verified=True, reader=...)``, which refuses ``verified``
+    without it."""
     if not transfers:
         return None
     if path is None:
@@ -572,7 +612,7 @@ def check_staged(
             f"{len(transfers)} region(s) of tensors {names[:5]}{'...' if len(names) > 5 else ''} have no live "
             "source and must come from a staged checkpoint, but no staged_path was given"
         )
-    reader = StagedReader(path, version=version)
+    reader = StagedReader(path, verify=checksums, version=version)
     reader.check([t.item for t in transfers], checksums=checksums)
     return reader
 
@@ -592,15 +632,26 @@ def load_staged(
     """Fill ``rank``'s staged transfers (default: ``src_rank == STAGED``) from ``path``
     through DCP; missing target buffers are allocated into ``dst_buffers``. Returns the
     bytes loaded. ``checksums``: verify every block read, on the bytes read (one pass).
-    ``verified``: the boxes were already checked whole (:func:`check_staged`): only their
-    sizes are not re-checked. ``reader``: a :class:`StagedReader` of ``path`` to reuse (it
-    caches the metadata; its own ``verify`` then applies)."""
+    ``verified``: the boxes were already checked present and whole by :func:`check_staged`,
+    so their sizes are not listed again; it needs ``reader``, the reader that check
+    returned. ``check_staged`` reads no data, so its ``checksums`` only take effect
+    through that reader, which verifies each block as the load reads it: ``verified``
+    without it is a ValueError, as is ``checksums`` with a reader that does not verify
+    (either would load unverified bytes silently). ``reader``: a :class:`StagedReader` of
+    ``path`` to reuse (it caches the metadata and sidecars; its own ``verify`` applies)."""
     transfers = staged_transfers(plan, rank) if transfers is None else list(transfers)
     if not transfers:
         return 0
-    reader = reader if reader is not None else StagedReader(path, verify=checksums and not verified, version=version)
+    if verified and reader is None:
+        raise ValueError(
+            "load_staged(verified=True) needs reader=, the StagedReader check_staged returned: check_staged reads "
+            "no data, its checksums are verified by that reader as the load reads the blocks"
+        )
+    if checksums and reader is not None and not reader.verify:
+        raise ValueError("load_staged(checksums=True) was given a reader that does not verify (StagedReader(verify=False))")
+    reader = reader if reader is not None else StagedReader(path, verify=checksums, version=version)
     if not verified:
-        reader.check([t.item for t in transfers])
+        reader.check([t.item for t in transfers], checksums=reader.verify)
     specs = plan.dst_buffers[rank]
     for name in sorted({t.dst_buffer for t in transfers} - set(dst_buffers)):
         dst_buffers[name] = torch.empty(specs[name].shape, dtype=DTYPES[specs[name].dtype])

@@ -23,7 +23,9 @@ deadline). Order of work on one rank, and why it cannot deadlock:
    frees pop them from ``src_buffers`` (the caller handed them over) after their round.
 
 Deadline. ``timeout`` is the whole call's: the agreements, the NCCL warm-up and every wait
-of every round run against one deadline set at entry. Past it every waiting rank raises
+of every round run against one deadline set at entry (``execute``'s entry, before its staged
+pre-check, when called from there). A rank that reaches an agreement after the deadline
+raises at once, posting nothing; past it every waiting rank raises
 :class:`~.errors.TransitionTimeout` and the process group is unusable (ops may be
 pending): destroy it and create a new one.
 
@@ -151,6 +153,7 @@ def execute_stream(
     staged_load: Callable[[list[int], dict], int] | None = None,
     options: Sequence = (),
     transport: Transport | None = None,
+    deadline: Deadline | None = None,
 ) -> StreamResult:
     """Run this rank's part of ``plan`` over ``group`` (None: the default group).
 
@@ -165,11 +168,13 @@ def execute_stream(
     ``staged_load(transfer indices, target buffers) -> bytes``: reads this rank's staged transfers of a
     round, in that round (``execute`` passes one). ``options``: what else the caller's
     ranks must agree on, folded into the fingerprint. ``transport``: how ops are posted and
-    awaited (default: from the group; tests pass one with NCCL's semantics).
+    awaited (default: from the group; tests pass one with NCCL's semantics). ``deadline``:
+    the transition's, when the caller started it before its own work (``execute``: before its
+    staged pre-check); default: ``timeout`` from now.
     Every rank of the group must call this, even with nothing to do.
     """
     t_start = time.perf_counter()
-    deadline = Deadline(timeout)
+    deadline = deadline if deadline is not None else Deadline(timeout)
     members = group_ranks(group)
     if dist.get_rank() not in members:
         raise ProcessGroupError(f"rank {dist.get_rank()} is not in the process group {members} it was asked to reshard over")
@@ -196,7 +201,8 @@ def execute_stream(
                                                                  coalesce_bytes, transport.coalesced, *options))
     except Exception as e:  # noqa: BLE001 - a plan this rank cannot even describe is its verdict
         verdict = combine(verdict, ("ReshardError", f"{type(e).__name__}: {e}"))
-    agree(verdict, group=group, members=members, transport=transport, deadline=deadline, print_=print_)
+    agree(verdict, group=group, members=members, transport=transport, deadline=deadline, print_=print_,
+          name="the agreement before streaming")
     ready_nccl(group, transport, deadline)
     graph = state["graph"]
     stats = StreamStats()
@@ -233,7 +239,8 @@ def execute_stream(
         # every rank learns of every bad message or failed staged read, and all raise together
         bad = ("TransferError", "; ".join(ctx.bad)) if ctx.bad else None
         agree(bad, group=group, members=members, transport=transport, deadline=deadline, print_=print_,
-              what="checksum mismatch or failed staged read after streaming", default=TransferError)
+              what="checksum mismatch or failed staged read after streaming", default=TransferError,
+              name="the agreement after streaming")
     if dst_buffers is not None:
         dst_buffers.update(ctx.dst)
     ctx.stats.seconds = time.perf_counter() - t_start

@@ -133,7 +133,10 @@ def ready_nccl(group, transport: Transport, deadline: Deadline) -> None:
     if not transport.coalesced or id(pg) in _NCCL_READY:
         return
     work = dist.all_reduce(torch.zeros(1, device=transport.device), group=group, async_op=True)
-    transport.wait(work, deadline, "the NCCL communicator's first all-reduce")
+    try:
+        transport.wait(work, deadline, f"rank {dist.get_rank()}: the NCCL communicator's first all-reduce")
+    except TransitionTimeout as e:
+        raise TransitionTimeout(f"{e}. The process group is unusable now: destroy it and create a new one") from e
     _NCCL_READY[id(pg)] = pg
 
 

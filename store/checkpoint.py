@@ -294,12 +294,30 @@ class CheckpointStore:
             for i in sorted(set(indices)):
                 start, end = i * size, min((i + 1) * size, e.nbytes)
                 data = map_file(path, start, end - start).numpy() if local else self.fs.cat_file(path, start=start, end=end)
-                (got,) = checksums_of(manifest.checksum, data, size)
-                if got != e.checksums[i]:
-                    raise CorruptCheckpointError(
-                        f"{_where(manifest, e, path)} has {manifest.checksum} {got} in bytes [{start}, {end}), the manifest says "
-                        f"{e.checksums[i]}: corrupted"
-                    )
+                _check_blocks(manifest, e, path, i, data)
+
+    def read_file(self, manifest: Manifest, entry: FileEntry | AuxFile) -> bytes:
+        """A whole file of the checkpoint (a side file), read once and verified on those
+        bytes against the manifest; CorruptCheckpointError naming it otherwise."""
+        self.check_files(manifest, [entry])
+        path = f"{self.path.rstrip('/')}/{manifest.data}/{entry.path}"
+        data = self.fs.cat_file(path)
+        _check_blocks(manifest, entry, path, 0, data)
+        return data
+
+
+def _check_blocks(manifest: Manifest, e: FileEntry | AuxFile, path: str, first: int, data) -> None:
+    """Raise CorruptCheckpointError unless ``data`` (the file's bytes from block ``first`` on)
+    matches the manifest's checksum of each block it holds."""
+    size = manifest.checksum_block
+    for k, got in enumerate(checksums_of(manifest.checksum, data, size)):
+        i = first + k
+        if got != e.checksums[i]:
+            start = i * size
+            raise CorruptCheckpointError(
+                f"{_where(manifest, e, path)} has {manifest.checksum} {got} in bytes [{start}, {min(start + size, e.nbytes)}), "
+                f"the manifest says {e.checksums[i]}: corrupted"
+            )
 
 
 def _where(manifest: Manifest, e: FileEntry | AuxFile, path: str) -> str:

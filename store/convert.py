@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from nereus.reshard.derive import DecoderSpec, derive_emus, plan_parameters
 from nereus.reshard.layout import DTYPES, EMU, ParallelConfig, Shard, TensorLayout, box_view, dtype_name
 from nereus.reshard.plan import plan_transfers
-from nereus.reshard.staged import StagedLoadPlanner, StagedReader
+from nereus.reshard.staged import StagedLoadPlanner
 
 from nereus.reshard.errors import TransferError
 
@@ -199,9 +199,7 @@ class NereusSource:
         """The model's HF side files kept in the checkpoint (``hf/<model>/<name>``), verified."""
         prefix = f"hf/{self.model}/"
         entries = [a for a in self.manifest.aux if a.path.startswith(prefix)]
-        self.store.verify(self.manifest, {a: range(len(a.checksums)) for a in entries})
-        base = f"{self.store.path.rstrip('/')}/{self.manifest.data}"
-        return {a.path[len(prefix):]: self.store.fs.cat_file(f"{base}/{a.path}") for a in entries}
+        return {a.path[len(prefix):]: self.store.read_file(self.manifest, a) for a in entries}  # each read once
 
     def names(self) -> list[str]:
         return self.names_all

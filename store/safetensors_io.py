@@ -22,7 +22,7 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 import torch
 

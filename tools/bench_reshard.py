@@ -609,7 +609,7 @@ def worker(rank: int, world: int, spec: DecoderSpec, runs: int, check_all: bool,
             methods["floor+copies"] = {"median_s": methods["floor"]["median_s"] + methods["copies"]["median_s"],
                                        "sum_of": ["floor", "copies"]}
         out["cases"][case] = res
-        del dst, ctx
+        steps = ctx = dst = None  # the buffers go before the next case (the lambdas above hold them)
     return out
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nereus.reshard.derive import DecoderSpec, derive_emus, plan_layer_ranges, plan_parameters
+from nereus.reshard.derive import derive_emus, plan_layer_ranges, plan_parameters
 from nereus.reshard.errors import LayoutError
 from nereus.reshard.layout import ParallelConfig, emu_from_dict, emu_to_dict, local_buffers
 

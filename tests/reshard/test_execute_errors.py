@@ -1,5 +1,7 @@
-"""Bad input is rejected on EVERY rank before any byte moves, naming the culprit; the
-source state is intact afterwards; a memory budget no stream schedule meets goes staged.
+"""Bad input is rejected on EVERY rank before any byte moves, naming the culprit (staged
+bytes that fail their checksum are found as they are read, and every rank raises after the
+last round); the source state is intact afterwards; a memory budget no stream schedule
+meets goes staged.
 
 All scenarios run in one 2-rank spawn (module fixture), one after the other on the same
 process group — which also shows that a rejected transition leaves the group usable.
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.reshard.derive import derive_emus
+from nereus.reshard.errors import CoverageError
 from nereus.reshard.layout import ParallelConfig
 from nereus.reshard.plan import plan_transfers
 from nereus.reshard.reference import mismatches, reference_state
@@ -115,6 +118,39 @@ def _scenarios(rank: int, world: int, root: str) -> dict:
     res = reshard(swap, mine, rank=rank, budget=4 * budget, staged_path=f"{root}/unused")
     out["no budget"] = mismatches(res, swap.layouts.values(), rank), res.stats.rounds, res.stats.bytes_staged
 
+    # the staged fallback: a box damaged after it was staged is found by the rank that loads it
+    from nereus.reshard import execute as execute_mod
+
+    real_save = execute_mod.save_staged
+
+    def save_then_damage(path, layouts, buffers, *, rank, **kw):
+        written = real_save(path, layouts, buffers, rank=rank, **kw)
+        if rank == 0:
+            victim = next(p for p in written if DOWN in p)
+            data = bytearray(open(victim, "rb").read())
+            data[7] ^= 0x80
+            open(victim, "wb").write(bytes(data))
+        return written
+
+    execute_mod.save_staged = save_then_damage
+    mine = reference_state(swap.src_layouts.values(), rank)
+    _attempt(out, "staged fallback corrupt", rank, swap, mine,
+             lambda: execute_mod.reshard_staged(swap, mine, rank=rank, path=f"{root}/fallback", checksums=True))
+    execute_mod.save_staged = real_save
+    # a wrong target buffer on one rank: refused in the agreement, on every rank at once
+    # (tp=2 -> dp=2: each rank copies some regions locally, where the bad target used to fail outside any agreement)
+    dp2 = plan_transfers(tp2, derived(dict(dp=2), stage="t"))
+    bad_dst = {}
+    if rank == 0:
+        name = sorted(dp2.dst_buffers[0])[0]
+        bad_dst[name] = torch.empty(3, dtype=torch.float32)
+    mine = reference_state(dp2.src_layouts.values(), rank)
+    start = time.monotonic()
+    _attempt(out, "staged fallback bad target", rank, dp2, mine,
+             lambda: execute_mod.reshard_staged(dp2, mine, rank=rank, path=f"{root}/bad-dst", dst_buffers=bad_dst,
+                                                timeout=20))
+    out["staged fallback bad target/seconds"] = time.monotonic() - start
+
     from .fake_nccl import fake_nccl
 
     real_round = stream.run_round
@@ -207,6 +243,23 @@ def test_memory_budget_no_stream_schedule_meets_goes_staged(results):
 
 
 @pytest.mark.timeout(130)
+def test_a_staged_fallback_load_that_fails_on_one_rank_fails_every_rank(results):
+    """Rank 1 reads the box rank 0 staged, damaged since: verified on the bytes its load
+    reads, the failure reaches the last agreement, and rank 0 raises it too."""
+    _same_error_everywhere(results, "staged fallback corrupt", "TransferError", "the staged load failed", "rank 1:",
+                           DOWN, "corrupted")
+
+
+@pytest.mark.timeout(130)
+def test_a_wrong_target_buffer_in_the_staged_fallback_fails_every_rank_at_once(results):
+    """Rank 0 hands reshard_staged a target of the wrong shape: the check runs in an
+    agreement, so both ranks raise the same error naming it, without waiting out the timeout."""
+    _same_error_everywhere(results, "staged fallback bad target", "ProcessGroupError", "rank 0:", "target buffer",
+                           "the plan needs")
+    assert all(r["staged fallback bad target/seconds"] < 10 for r in results)
+
+
+@pytest.mark.timeout(130)
 def test_ranks_that_planned_differently_all_raise(results):
     _same_error_everywhere(results, "planned differently", "ProcessGroupError", "planned different transitions",
                            "rank 0:", "rank 1:")
@@ -234,3 +287,62 @@ def test_a_peer_that_never_sends_times_out_naming_it(results, key):
     assert "rank 1" in msg and "destroy it and create a new one" in msg, msg
     assert 1.5 <= results[0][key + "/seconds"] < 4.0  # one deadline for the whole call
     assert results[0][key + "/source"] == []
+
+
+# ------------------------------------------------ one deadline, the pre-check included
+
+STALLS = {0: 2.0, 1: 4.5}  # seconds each rank's staged pre-check takes (a slow store)
+DEADLINE = 3.0
+
+
+def _stalled_precheck(rank: int, world: int, root: str) -> dict:
+    """Both ranks' pre-checks stall (rank 1's past the deadline), then execute() runs under
+    ``timeout=DEADLINE``. The deadline starts when the call does, so rank 0 times out at
+    DEADLINE in the agreement and rank 1, done stalling after it, raises at once."""
+    from nereus.reshard import execute as execute_mod
+
+    tp2, tp1 = derived(dict(tp=2), stage="s"), derived(dict(tp=1), stage="t")
+    plan = plan_transfers(tp2, tp1, live={0}, staged=True)  # rank 1's shards come from the staged checkpoint
+    src = reference_state(plan.src_layouts.values(), rank)
+    save_staged(root, plan.src_layouts, src, rank=rank)
+    dist.barrier()
+    real = execute_mod.check_staged
+
+    def slow(*args, **kwargs):
+        time.sleep(STALLS[rank])
+        if rank == 1:  # late AND failed: its own verdict must not be dropped
+            raise CoverageError("rank 1's own pre-check failed")
+        return real(*args, **kwargs)
+
+    execute_mod.check_staged = slow
+    out: dict = {}
+    start = time.monotonic()
+    _attempt(out, "stalled", rank, plan, src, lambda: execute_mod.execute(plan, graph_for(plan), src, rank=rank,
+                                                                          staged_path=root, timeout=DEADLINE))
+    out["stalled/seconds"] = time.monotonic() - start
+    execute_mod.check_staged = real
+    time.sleep(max(0.0, max(STALLS.values()) + 1.5 - (time.monotonic() - start)))  # both alive till both are done
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_before_the_agreement_counts_against_the_one_deadline():
+    """The deadline used to start after the pre-check: rank 0 then waited DEADLINE beyond its
+    own stall, long enough for rank 1 to arrive, and the transition ran on well past it."""
+    root = tempfile.mkdtemp(prefix="nereus-test-", dir="/dev/shm")
+    try:
+        results = run_distributed(_stalled_precheck, 2, root, timeout=100)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for rank, out in enumerate(results):
+        cls, msg = out["stalled"]
+        assert cls == "TransitionTimeout", (rank, cls, msg)
+        assert "destroy it and create a new one" in msg, msg
+        assert out["stalled/source"] == []
+    assert results[0]["stalled/seconds"] < DEADLINE + 1.0, results[0]  # at the deadline, not DEADLINE after the stall
+    late = results[1]["stalled"][1]
+    assert "rank 1" in late and "after the transition's deadline" in late
+    # it names the agreement it was late for, not a failure description, and keeps its own verdict
+    assert "reached the agreement before streaming" in late and "rejected on every rank" not in late, late
+    assert "CoverageError: rank 1's own pre-check failed" in late, late
+    assert results[1]["stalled/seconds"] < STALLS[1] + 1.0, results[1]  # at once once its stall ends

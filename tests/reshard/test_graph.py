@@ -10,7 +10,7 @@ from nereus.reshard.arrays import LINK_CLASSES, TransferArrays, arrays_from_plan
 from nereus.reshard.derive import DecoderSpec, derive_emus
 from nereus.reshard.errors import MemoryBudgetError
 from nereus.reshard.estimate import estimate_transfers
-from nereus.reshard.graph import FREED_BEFORE, KEPT, LinkCost, calibrate, plan_graph
+from nereus.reshard.graph import FREED_BEFORE, KEPT, STAGED_PIECE_BYTES, LinkCost, calibrate, plan_graph
 from nereus.reshard.layout import ParallelConfig, Shard, TensorLayout
 from nereus.reshard.plan import STAGED, plan_transfers
 
@@ -30,7 +30,8 @@ def replay(graph, budget=None) -> dict[int, int]:
     Per rank: start with every source buffer; per round allocate, check that writes land in
     allocated buffers and reads come from held ones, add the round's transients (strided
     regions of non-local transfers, and non-local transfers under ``graph.coalesce`` bytes,
-    which travel packed, on both sides), then free. Across ranks: every transfer exactly once,
+    which travel packed, on both sides; a round's staged reads share one allowance of
+    ``STAGED_PIECE_BYTES``, a verified read's piece), then free. Across ranks: every transfer exactly once,
     a send and its receive in the same round, at most ``max_messages`` messages per rank
     and round.
     """
@@ -53,18 +54,21 @@ def replay(graph, budget=None) -> dict[int, int]:
                 assert name not in allocated
                 allocated.add(name)
                 holding += dst[name]
-            transient = 0
+            transient = reads = 0
             for role, ids in (("copy", ops.copies), ("send", ops.sends), ("recv", ops.recvs)):
                 for i in ids:
                     seen[i].append((role, ops.round))
                     small = a.src[i] != STAGED and a.nbytes[i] < graph.coalesce
-                    if role in ("copy", "recv"):
+                    if role == "recv" and a.src[i] == STAGED:
+                        assert a.dst_buffers.name[a.dst_buf[i]] in allocated
+                        reads = STAGED_PIECE_BYTES
+                    elif role in ("copy", "recv"):
                         assert a.dst_buffers.name[a.dst_buf[i]] in allocated
                         transient += 0 if role == "copy" or (a.dst_contig[i] and not small) else int(a.nbytes[i])
                     if role in ("copy", "send"):
                         assert a.src_buffers.name[a.src_buf[i]] in held
                         transient += 0 if role == "copy" or (a.src_contig[i] and not small) else int(a.nbytes[i])
-            peak = max(peak, holding + transient)
+            peak = max(peak, holding + transient + reads)
             for name in ops.frees:
                 held.remove(name)
                 holding -= src[name]
@@ -209,6 +213,32 @@ def test_staged_reads_count_on_the_receiver_only():
     for i in staged.tolist():
         ops = {o.round: o for o in graph.ops_for(int(arrays.dst[i]))}
         assert i in ops[int(graph.round_of[i])].recvs
+
+
+def _staged_reads(sizes: list[int]):
+    """Rank 0 reads one float32 tensor of each size (elements) from the staged checkpoint."""
+    def layouts(rank):
+        return [TensorLayout(name=f"t{i}", shape=(n,), dtype="float32", shards=(Shard(rank=rank, offsets=(0,), lengths=(n,)),))
+                for i, n in enumerate(sizes)]
+
+    return arrays_from_plan(plan_transfers([emu_of(layouts(1), 2)], [emu_of(layouts(0), 2, stage="t")], live={0}, staged=True))
+
+
+def test_a_rounds_staged_reads_share_the_largest_ones_allowance():
+    """The reader holds at most one piece at a time, of STAGED_PIECE_BYTES (a verified read
+    fetches whole checksum blocks, however small its region): a round's staged reads share
+    that one allowance, not their sum."""
+    arrays = _staged_reads([250, 750, 500])  # 1000, 3000 and 2000 bytes
+    assert (arrays.src == STAGED).all()
+    graph = plan_graph(arrays, max_messages=3)
+    assert graph.num_rounds == 1 and graph.peak_bytes[0] == 6000 + STAGED_PIECE_BYTES
+    replay(graph)
+    assert plan_graph(_staged_reads([2 << 20]), max_messages=1).peak_bytes[0] == (8 << 20) + STAGED_PIECE_BYTES
+    tight = plan_graph(arrays, max_messages=3, budget=6000 + STAGED_PIECE_BYTES)  # summed: 6000 + 3 pieces
+    replay(tight, 6000 + STAGED_PIECE_BYTES)
+    assert tight.num_rounds == 1, tight.round_of
+    with pytest.raises(MemoryBudgetError):
+        plan_graph(arrays, max_messages=3, budget=6000 + STAGED_PIECE_BYTES - 1)
 
 
 def test_seconds_grow_with_bytes_and_follow_the_link_classes():

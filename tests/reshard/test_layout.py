@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from nereus.reshard.derive import derive_emus
 from nereus.reshard.errors import LayoutError
 from nereus.reshard.layout import (
-    EMU,
     ParallelConfig,
     Shard,
     TensorLayout,

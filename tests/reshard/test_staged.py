@@ -3,18 +3,20 @@ only what they need, clear errors, and a transition that survives a source rank 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
 import uuid
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from nereus.reshard.errors import CoverageError, TransferError
-from nereus.reshard.layout import Shard, TensorLayout
+from nereus.reshard.layout import DTYPES, Shard, TensorLayout
 from nereus.reshard.plan import STAGED, merge_layouts, plan_transfers
 from nereus.reshard.reference import mismatches, reference_box, reference_state
 from nereus.reshard.staged import StagedLoadPlanner, StagedReader, box_file, check_staged, load_staged, save_staged
@@ -133,7 +135,10 @@ def test_loads_go_through_dcp_and_read_only_the_needed_bytes(monkeypatch):
     assert sum(b - a for a, b in reads) == 16 * 64 * 4
     reads.clear()
     assert _load_all(path, plan, [3], checksums=True) == []
-    assert reads == [(0, 64 * 256 * 4)]  # one 4 MiB block covers the 64 KiB box: read once, verified on those bytes
+    # one 4 MiB block covers the 64 KiB box: it is read once, verified on those bytes, in ONE
+    # request — a verified read's pieces are a checksum block (STAGED_PIECE_BYTES, what the
+    # graph charges a staged read), not the 4 KiB the load delivers (16 requests)
+    assert reads == [(0, 64 * 256 * 4)]
 
 
 def _one_box_per_rank(layout: TensorLayout) -> TensorLayout:
@@ -176,8 +181,17 @@ def test_staged_errors_name_the_tensor_and_file(shm):
             f.write(damaged)
         with pytest.raises(TransferError, match=r"down_proj.*crc32c .* corrupted"):
             load_staged(shm, plan, 0, {}, checksums=True)
-        with pytest.raises(TransferError, match=r"down_proj.*corrupted"):
-            check_staged(shm, [t for t in plan.transfers if t.dst_rank == 0], checksums=True)
+        mine = [t for t in plan.transfers if t.dst_rank == 0]
+        reader = check_staged(shm, mine, checksums=True)  # presence, sizes, checksum lists: reads no data
+        assert reader.bytes_read == 0 and reader.verify
+        with pytest.raises(TransferError, match=r"down_proj.*corrupted"):  # the load it hands on does
+            load_staged(shm, plan, 0, {}, transfers=mine, verified=True, reader=reader)
+        # the old pattern — check_staged(checksums=True), then load_staged(verified=True) with
+        # no reader — would load the damage unverified: it is refused instead
+        with pytest.raises(ValueError, match=r"verified=True.*needs reader="):
+            load_staged(shm, plan, 0, {}, transfers=mine, verified=True)
+        with pytest.raises(ValueError, match="does not verify"):
+            load_staged(shm, plan, 0, {}, transfers=mine, checksums=True, reader=StagedReader(shm, verify=False))
     with open(victim, "wb") as f:
         f.write(data[:-4])
     with pytest.raises(CoverageError, match=rf"{victim}.*truncated"):
@@ -187,9 +201,14 @@ def test_staged_errors_name_the_tensor_and_file(shm):
         load_staged(shm, plan, 0, {})
     with open(victim, "wb") as f:
         f.write(data)
+    sidecar = open(victim + ".crc32c", "rb").read()
     os.remove(victim + ".crc32c")
     with pytest.raises(CoverageError, match=r"no \.crc32c sidecar"):
         load_staged(shm, plan, 0, {}, checksums=True)
+    with open(victim + ".crc32c", "wb") as f:  # one checksum too many: found before any byte is read
+        f.write(sidecar.replace(b'"crc32c": [', b'"crc32c": ["00000000", ', 1))
+    with pytest.raises(TransferError, match=r"down_proj.*has 2 checksums of 4194304-byte blocks for 4096 bytes"):
+        check_staged(shm, [t for t in plan.transfers if t.dst_rank == 0], checksums=True)
     meta = f"{shm}/metadata.json"
     raw = open(meta, "rb").read()
     with open(meta, "wb") as f:  # valid JSON, one digit changed: caught by its own checksum
@@ -323,3 +342,284 @@ def test_the_staged_fallback_never_mixes_a_gone_ranks_old_boxes_with_fresh_ones(
     assert cls == "CoverageError" and "missing at version 4" in msg and "version(s) [3]" in msg, out["a newer state"]
     assert out["the same state"] == ("ok", [], 0), out["the same state"]  # rounds == 0: the staged path ran
     assert out["devices"] == ["meta"], out["devices"]
+
+
+# ------------------------------------------ object stores: each staged byte read once
+
+
+def _stage_everything(path: str, plan, version: int = 0) -> None:
+    """Every source box into ``path`` from this process (memory:// is per process: each rank
+    stages its own copy of the shared store), with CRC32C sidecars."""
+    for r in sorted(plan.src_buffers):
+        save_staged(path, plan.src_layouts, reference_state(plan.src_layouts.values(), r), rank=r, checksums=True,
+                    version=version)
+
+
+def _spy_reads(reads: list) -> None:
+    """Record every ``.bin`` byte range the memory filesystem hands out: (path, start, end)."""
+    fs = fsspec.filesystem("memory")
+    original = type(fs).cat_file
+
+    def spy(self, path, start=None, end=None, **kw):
+        data = original(self, path, start=start, end=end, **kw)
+        if path.endswith(".bin"):
+            reads.append((path, start or 0, (start or 0) + len(data)))
+        return data
+
+    type(fs).cat_file = spy
+
+
+def _box_bytes(plan, transfers) -> int:
+    """Bytes of the distinct source boxes the transfers read (each under one 4 MiB block here)."""
+    boxes = {(t.tensor, tuple(t.item.storage_index.offset)) for t in transfers}
+    out = 0
+    for name, offsets in boxes:
+        layout = plan.src_layouts[name]
+        lengths = next(n for o, n in layout.unique_boxes() if tuple(o) == offsets)
+        out += math.prod(lengths) * torch.empty(0, dtype=DTYPES[layout.dtype]).element_size()
+    return out
+
+
+def _overlaps(reads) -> list:
+    """Byte ranges of one file read more than once."""
+    seen: dict[str, list[tuple[int, int]]] = {}
+    bad = []
+    for path, a, z in reads:
+        for b, y in seen.get(path, []):
+            if a < y and b < z:
+                bad.append((path, (a, z), (b, y)))
+        seen.setdefault(path, []).append((a, z))
+    return bad
+
+
+def _read_once(rank: int, world: int) -> dict:
+    """With checksums, on memory:// (an object store's path: ranged reads, no map): the
+    transition's pre-check reads no data and the load reads each needed byte once,
+    verified on those bytes — in execute() (every region staged) and in reshard_staged()."""
+    from nereus.reshard.execute import execute, reshard_staged
+
+    reads: list = []
+    _spy_reads(reads)
+    out = {}
+    sources, targets = derived(dict(tp=2), stage="s", optimizer=True), derived(dict(dp=2), stage="t", optimizer=True)
+    plan = plan_transfers(sources, targets, live=set(), staged=True)
+    path = f"memory://once-execute-{rank}"
+    _stage_everything(path, plan)
+    reads.clear()
+    res = execute(plan, graph_for(plan), {}, rank=rank, staged_path=path, checksums=True)
+    mine = [t for t in plan.transfers if t.dst_rank == rank]
+    out["execute"] = (mismatches(res, plan.layouts.values(), rank), sum(e - a for _, a, e in reads),
+                      _box_bytes(plan, mine), _overlaps(reads))
+    live = plan_transfers(sources, targets)
+    path = f"memory://once-staged-{rank}"
+    _stage_everything(path, live)  # what the other rank stages, as a shared store would hold it
+    reads.clear()
+    src = reference_state(live.src_layouts.values(), rank)
+    res = reshard_staged(live, src, rank=rank, path=path, checksums=True)
+    loads = [t for t in live.transfers if t.dst_rank == rank and t.src_rank != rank]
+    out["reshard_staged"] = (mismatches(res, live.layouts.values(), rank), sum(e - a for _, a, e in reads),
+                             _box_bytes(live, loads), _overlaps(reads))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_staged_data_on_an_object_store_is_read_once():
+    """It used to be read twice: the pre-check fetched every block to verify it, then the
+    load fetched the regions again, unverified."""
+    for rank, out in enumerate(run_distributed(_read_once, 2, timeout=100)):
+        for path in ("execute", "reshard_staged"):
+            bad, read, needed, overlaps = out[path]
+            assert bad == [], (rank, path, bad)
+            assert needed > 0 and read == needed, (rank, path, read, needed)  # every box it needs, whole, once
+            assert overlaps == [], (rank, path, overlaps[:3])
+
+
+# ----------------------------------------- staged reads within the graph's memory budget
+
+PEAK_SPEC = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_layers=2)  # 1 MiB embedding
+
+
+def _fetch_into_torch() -> None:
+    """Hand every ``.bin`` range the memory filesystem reads out in a torch buffer (as a
+    memoryview), so the CPU allocator's events see each fetched byte for as long as the
+    reader holds it: a stand-in, byte for byte, for the ``bytes`` an object store returns."""
+    import numpy as np
+
+    fs = fsspec.filesystem("memory")
+    original = type(fs).cat_file
+
+    def into_torch(self, path, start=None, end=None, **kw):
+        data = original(self, path, start=start, end=end, **kw)
+        if not path.endswith(".bin"):
+            return data
+        held = torch.empty(len(data), dtype=torch.uint8)
+        held.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        return memoryview(held.numpy())
+
+    type(fs).cat_file = into_torch
+
+
+def _staged_peak(rank: int, world: int) -> list:
+    """Rank 1 of a tp=2 layout is gone (its boxes are staged on memory://, CRC32C on); rank 0
+    (its sources handed over) and a fresh rank 1 end with the whole state (dp=2): rank 0
+    streams its half, both read rank 1's half from the staged checkpoint in the graph's
+    rounds. Under a budget below the unbounded peak, the tensor bytes a rank holds at its
+    peak — the fetched ranges included — never exceed it (measured as test_stream's peak
+    test measures)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import OpTree
+
+    from nereus.reshard.execute import execute
+    from nereus.reshard.graph import RESERVE_BYTES
+
+    from .test_stream import SENTINEL, _window_peak
+
+    _fetch_into_torch()
+    sources = derived(dict(tp=2), stage="s", spec_kw=PEAK_SPEC)
+    targets = derived(dict(dp=2), stage="t", spec_kw=PEAK_SPEC)
+    plan = plan_transfers(sources, targets, live={0}, staged=True)
+    path = f"memory://peak-{rank}"
+    _stage_everything(path, plan)
+    out = []
+    for fraction in (0.9, 0.95):
+        free = graph_for(plan, release_sources=True)
+        budget = int(fraction * max(free.peak_bytes.values()))
+        graph = graph_for(plan, budget=budget, release_sources=True, reserve=RESERVE_BYTES)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            src = reference_state(plan.src_layouts.values(), rank) if rank == 0 else {}
+            entry = sum(t.nbytes for t in src.values())
+            opens = torch.empty(SENTINEL, dtype=torch.uint8)
+            del opens
+            res = execute(plan, graph, src, rank=rank, staged_path=path, checksums=True, release_sources=True)
+            closes = torch.empty(SENTINEL, dtype=torch.uint8)
+            del closes
+            bad = mismatches(res, plan.layouts.values(), rank)
+            staged_bytes = res.stats.bytes_staged
+            del res, src
+        events = [(e.start_time_ns, e.typed[1].alloc_size) for e in OpTree(prof.profiler.kineto_results).sorted_nodes
+                  if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu"]
+        base, top = _window_peak(events)
+        out.append((fraction, rank, top - base + entry, budget, graph.num_rounds, free.num_rounds, staged_bytes, bad))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_staged_reads_keep_a_rank_within_the_graphs_budget():
+    """Staged reads used to hold each box's fetched blocks and an assembled copy of every
+    region, none of it counted by the graph (a contiguous target counted nothing)."""
+    results = run_distributed(_staged_peak, 2, timeout=130)
+    for fraction, rank, measured, budget, rounds, free_rounds, staged_bytes, bad in (r for per in results for r in per):
+        assert bad == [], (fraction, rank, bad)
+        assert staged_bytes > 0, (fraction, rank, "nothing was read from the staged checkpoint")
+        assert measured <= budget, (fraction, rank, measured, budget, measured - budget)
+    assert any(r[4] > r[5] for per in results for r in per), "the budget never bound: an overrun would not show"
+
+
+# ------------------------------------------------------ pieces: any cut, every element
+
+
+def test_rowmajor_boxes_tile_a_range_in_order():
+    import numpy as np
+
+    from nereus.reshard.checksum import rowmajor_boxes
+
+    rng = np.random.default_rng(0)
+    for shape in [(), (7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)]:
+        n = math.prod(shape)
+        grid = np.arange(n).reshape(shape)
+        for _ in range(40):
+            start, stop = sorted(rng.integers(0, n + 1, size=2).tolist()) if shape else (0, 1)
+            boxes = rowmajor_boxes(shape, start, stop)
+            assert len(boxes) <= max(1, 2 * len(shape) - 1)
+            got = [int(v) for o, l in boxes for v in grid[tuple(slice(a, a + b) for a, b in zip(o, l))].reshape(-1)]
+            assert got == list(range(start, stop)), (shape, start, stop, boxes)
+
+
+def _item(offsets, lengths):
+    """A ReadItem of tensor "x" from its one box at the origin, into a target of its own."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    index = MetadataIndex("x", (0,) * len(offsets))
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size(offsets), storage_index=index,
+                    storage_offsets=torch.Size(offsets), lengths=torch.Size(lengths))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_pieces_of_any_size_fill_every_region_exactly(verify):
+    """A box on an object store read in pieces cut anywhere (through runs, mid-row, across
+    40-byte checksum blocks) lands every element of every region where it belongs, into
+    strided targets, each block verified on the bytes fetched."""
+    import numpy as np
+
+    from nereus.reshard.checksum import block_checksums
+    from nereus.reshard.staged import StagedBox
+
+    rng = np.random.default_rng(1)
+    shape, root = (5, 6, 7), f"memory://pieces-{uuid.uuid4().hex}"
+    whole = torch.arange(math.prod(shape), dtype=torch.float16).view(shape)  # 210 values: exact in fp16
+    raw = whole.numpy().tobytes()
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(f"{root}/x.bin", raw)
+    box = StagedBox(tensor="x", offsets=(0, 0, 0), lengths=shape, dtype="float16", path=f"{root.removeprefix('memory://')}/x.bin",
+                    checksums=block_checksums(raw, 40), block=40)
+    reader = StagedReader(root, record={"schema": 2, "version": None, "tensors": {}}, verify=verify)
+    for _ in range(30):
+        items, targets, want = [], [], []
+        for _ in range(int(rng.integers(1, 4))):
+            o = [int(rng.integers(0, n)) for n in shape]
+            n = [int(rng.integers(1, s - a + 1)) for a, s in zip(o, shape)]
+            items.append(_item(o, n))
+            targets.append(torch.full((n[0] + 1, n[1], n[2] + 2), -1, dtype=torch.float16)[: n[0], :, 1 : n[2] + 1])
+            want.append(whole[o[0] : o[0] + n[0], o[1] : o[1] + n[1], o[2] : o[2] + n[2]])
+        limit = int(rng.integers(1, 200))  # odd ones too: pieces are whole elements
+        reader._read_pieces(box, items, targets, limit)
+        for t, w in zip(targets, want):
+            assert torch.equal(t, w), (limit, [(list(i.storage_offsets), list(i.lengths)) for i in items])
+    if verify:
+        damaged = bytearray(raw)
+        damaged[123] ^= 0x04
+        fs.pipe_file(f"{root}/x.bin", bytes(damaged))
+        with pytest.raises(TransferError, match=r"crc32c \w+ in bytes \[120, 160\), staged as \w+: corrupted"):
+            reader._read_pieces(box, [_item((0, 0, 0), shape)], [torch.empty(shape, dtype=torch.float16)], 16)
+
+
+def test_object_store_reads_refuse_damage_foreign_blocks_and_short_reads(monkeypatch):
+    """Through the public load on memory:// (the piece path): a flipped bit fails its block's
+    CRC32C naming the file; a sidecar whose block size is not a multiple of the element size
+    (which used to corrupt the copies) is refused naming the box; a range that comes back
+    short (the object shrank after the check) is refused naming the file, not a setStorage error."""
+    import json
+
+    from nereus.reshard.checksum import block_checksums
+
+    path = f"memory://damage-{uuid.uuid4().hex}"
+    plan = _plan(dict(tp=2), dict(tp=1))
+    _stage_all(path, plan, range(2))
+    fs = fsspec.filesystem("memory")
+    victim = next(p for p in fs.find(path) if p.endswith(".bin") and "down_proj" in p)
+    data = fs.cat_file(victim)
+    assert _load_all(path, plan, [0], checksums=True) == []
+    damaged = bytearray(data)
+    damaged[5] ^= 0x01
+    fs.pipe_file(victim, bytes(damaged))
+    with pytest.raises(TransferError, match=r"down_proj.*crc32c .* corrupted"):
+        load_staged(path, plan, 0, {}, checksums=True)
+    fs.pipe_file(victim, data)
+    sidecar = fs.cat_file(victim + ".crc32c")
+    sums = block_checksums(np.frombuffer(data, np.uint8), 6)
+    fs.pipe_file(victim + ".crc32c", json.dumps({"block": 6, "crc32c": list(sums)}).encode())
+    with pytest.raises(TransferError, match=r"down_proj.*6-byte checksum blocks, not a multiple of its 4-byte"):
+        load_staged(path, plan, 0, {}, checksums=True)
+    fs.pipe_file(victim + ".crc32c", sidecar)
+    original = type(fs).cat_file
+
+    def shrunk(self, p, start=None, end=None, **kw):
+        out = original(self, p, start=start, end=end, **kw)
+        return out[:-4] if p.endswith(".bin") and "down_proj" in p else out
+
+    monkeypatch.setattr(type(fs), "cat_file", shrunk)
+    for checksums in (False, True):
+        with pytest.raises(TransferError, match=r"down_proj.*returned \d+ bytes for bytes .*shrank"):
+            load_staged(path, plan, 0, {}, checksums=checksums)

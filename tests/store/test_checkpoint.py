@@ -399,3 +399,30 @@ def test_metadata_and_side_files_are_covered_by_the_manifest(tmp_path):
         with pytest.raises(CorruptCheckpointError, match=rf"file .*{rel}.*corrupted"):
             store.verify(manifest)
         open(path, "wb").write(good)
+
+
+def test_a_side_file_is_read_once_and_verified_on_those_bytes(tmp_path, monkeypatch):
+    """On memory:// an export's side file used to be read twice: verified, then read again."""
+    import fsspec
+
+    root = f"memory://side-{tmp_path.name}"
+    saved_single(root, 1, emus_of(), files={"hf/actor/tokenizer.json": b'{"a": 1}' * 100})
+    store = CheckpointStore(root)
+    manifest = store.manifest()
+    (entry,) = [a for a in manifest.aux if a.path == "hf/actor/tokenizer.json"]
+    fs = fsspec.filesystem("memory")
+    reads: list[tuple[str, int]] = []
+    original = type(fs).cat_file
+
+    def spy(self, path, start=None, end=None, **kw):
+        data = original(self, path, start=start, end=end, **kw)
+        reads.append((path, len(data)))
+        return data
+
+    monkeypatch.setattr(type(fs), "cat_file", spy)
+    assert store.read_file(manifest, entry) == b'{"a": 1}' * 100
+    assert [n for p, n in reads if p.endswith("tokenizer.json")] == [800]
+    path = f"{root}/{manifest.data}/{entry.path}"
+    fs.pipe_file(path, b'{"a": 2}' + b'{"a": 1}' * 99)
+    with pytest.raises(CorruptCheckpointError, match=r"file .*hf/actor/tokenizer.json has crc32c \w+ in bytes \[0, 800\).*corrupted"):
+        store.read_file(manifest, entry)
