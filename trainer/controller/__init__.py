@@ -3,6 +3,7 @@
 - ``profiles``   device profiles as data (FLOP/s, memory, links per class)
 - ``memory``     per-rank memory of a plan at a sequence length, and the budget check
 - ``workload``   what the coming step asks of each model-stage (rows, tokens, lengths)
+- ``candidates`` a model-stage's candidate stage configs as arrays, and their micro-batching
 - ``steptime``   per-model-stage step time from operation counts, calibrated online
 - ``transition`` the cost of moving state between two plans (reshard's estimator and graph)
 - ``search``     the best plans under the memory budget: frontier per model-stage, combined

@@ -5,8 +5,8 @@ peak is its *resident* state of every model-stage it holds plus the largest *tra
 of one model-stage while it runs. Sizes: ``c`` bytes per element of the compute dtype
 (the model's ``dtype``), training stages storing float32 master weights
 (``trainer/stage_args.py``). Every term is a function of (tp, pp, dp, dp_shard,
-micro-batch) and of the sequence length ``seq`` (default the model's ``max_seq_len``;
-the controller passes the coming step's):
+micro-batch or token budget, recompute) and of the sequence length ``seq`` (default the
+model's ``max_seq_len``; the controller passes the coming step's):
 
 - resident: the rank's weights, counted from ``reshard.derive``'s parameter list with its
   TP rule (``local_elements``: vocab, column and KV rows split over TP — one KV head per
@@ -22,7 +22,15 @@ the controller passes the coming step's):
   float32 copies a 16-bit RMSNorm keeps; times the layers of the rank's pipeline stage and
   the micro-batches in flight (1F1B keeps up to pp on the first stage), for a micro-batch of
   the stage's rows (``StageConfig.micro_batches``), with RoPE's cos/sin tables and the
-  [T, T] bool attention mask of each micro-batch; the last stage adds the final norm;
+  [T, T] bool attention mask of each micro-batch, and the compute-dtype copy of that mask
+  SDPA makes while one attention runs; the last stage adds the final norm;
+- activation recompute (``recompute``: ``full`` every block, ``selective`` the blocks of an
+  even index, ``candidates.stage_layers``): a checkpointed block keeps only its input
+  (c·h per token); backward re-runs one block at a time, after the head's logits are freed:
+  the transient adds the larger of the head's terms and one block's activations, not both;
+- token budgets (``micro_batch_tokens`` T): a micro-batch is one pack of at most T real
+  tokens (``candidates.micro_batching``; at the width ``seq`` every row counts full), its
+  rows attending causally one by one (``model.document_attention``): no mask;
 - weight workspace: with bf16 compute over float32 masters, the compute copies of the weights
   (c/4 of the float32 weights, each layer's kept for its backward); under FSDP2 instead the
   all-gathered root (embedding, final norm, head) and two layers in the compute dtype, and in
@@ -42,6 +50,8 @@ the controller passes the coming step's):
   device (its weights and KV-cache pool): resident 0, transient that share.
 
 The peak takes 10% headroom (the Nereus paper's) before it is compared with the budget.
+Every candidate of a search is priced at once (``candidate_memory``: arrays over
+``candidates.Candidates``); ``pipeline_memory`` is the same computation for one stage config.
 Shortcuts: no allocator fragmentation model, no communication buffers, no CUDA context;
 ``MemoryCalibration`` fits a correction to measured peaks (``controller/online.py``).
 """
@@ -50,23 +60,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import defaultdict
 from dataclasses import dataclass
+
+import numpy as np
 
 from nereus.reshard.derive import plan_layer_ranges, plan_parameters
 from nereus.reshard.layout import itemsize
 
 from ..config import ConfigError, JobConfig, StageConfig
+from .candidates import RECOMPUTE, Candidates, micro_batching, per_unique, stage_layers
 
 HEADROOM = 1.10
 GIB = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class _Degrees:
-    dp: int
-    tp: int
-    pp: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,11 +79,6 @@ class StageMemory:
     stage: str
     resident: int
     transient: int
-
-
-@functools.lru_cache(maxsize=1024)
-def _layer_ranges(layers: int, pp: int) -> list[range]:
-    return plan_layer_ranges(layers, pp)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -122,58 +122,103 @@ def pipeline_memory(
     """The memory of one rank of each pipeline stage of model-stage ``key`` (every rank of
     a pipeline stage holds as much), before headroom. ``ends``: only the first and the last
     pipeline stage, which hold the most of both kinds (the first: the embedding, the most
-    layers and micro-batches in flight; the last: the head and the logits). ``args``: the
-    stage's ModelArgs, if at hand."""
+    layers and micro-batches in flight; the last: the head and the logits). ``args``: unused
+    (the stage's ModelArgs are the config's; results are cached per config)."""
+    return list(_pipeline_memory(cfg, key, sc, seq, ends))
+
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_memory(cfg: JobConfig, key: str, sc: StageConfig, seq: int | None, ends: bool) -> tuple[StageMemory, ...]:
+    stages = np.array(sorted({0, sc.pp - 1}) if ends else range(sc.pp), dtype=np.int64)
+    resident, transient = memory_at(cfg, key, Candidates.of([sc]), np.zeros(len(stages), dtype=np.int64), stages, seq=seq)
+    return tuple(StageMemory(stage=key, resident=int(r), transient=int(t)) for r, t in zip(resident.tolist(), transient.tolist()))
+
+
+def candidate_memory(cfg: JobConfig, key: str, c: Candidates, *, seq: int | None = None, args=None) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate: (resident, transient) bytes, before headroom, each the larger of its
+    first and its last pipeline stage's (``pipeline_memory(ends=True)``, all at once)."""
+    deep = np.flatnonzero(c.pp > 1)  # one pipeline stage: the first is the last
+    which = np.concatenate([np.arange(len(c)), deep])
+    resident, transient = memory_at(cfg, key, c, which, np.concatenate([np.zeros(len(c), dtype=np.int64), c.pp[deep] - 1]), seq=seq, args=args)
+    n = len(c)
+    resident[deep], transient[deep] = np.maximum(resident[deep], resident[n:]), np.maximum(transient[deep], transient[n:])
+    return resident[:n], transient[:n]
+
+
+def memory_at(
+    cfg: JobConfig, key: str, c: Candidates, which: np.ndarray, stage: np.ndarray, *, seq: int | None = None, args=None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(resident, transient) bytes (int64) of one rank of pipeline stage ``stage[i]`` of
+    candidate ``which[i]``: the module docstring's terms, elementwise."""
     from ..stage_args import model_args
 
     args = args or model_args(cfg, key)
-    spec, config = args.spec, _Degrees(dp=sc.dp, tp=sc.tp, pp=sc.pp)
+    spec = args.spec
     train = key.endswith(".train")
     size = itemsize(args.compute)
     seq = seq or args.max_seq_len
-    rows = -(-cfg.batch_size // config.dp)
-    if train:
-        rows = -(-(cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo).minibatch_size // config.dp)
+    layout, tp, pp, dp = c.layout[which], c.tp[which], c.pp[which], c.dp[which]
+    rows = -(-(cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo).minibatch_size // dp) if train else -(-cfg.batch_size // dp)
     if key == "actor.gen" and cfg.rollout.engine == "vllm":
         share = int(cfg.rollout.gpu_memory_utilization * (cfg.device_memory_gib or 0) * GIB)
-        return [StageMemory(stage=key, resident=0, transient=share)] * (min(config.pp, 2) if ends else config.pp)  # asleep outside generation
-    layer_ranges = _layer_ranges(spec.num_layers, config.pp)
-    per_stage = local_elements(spec, config.tp, config.pp, config.dp, sc.dp_shard)
-    out = []
-    for p in sorted({0, config.pp - 1}) if ends else range(config.pp):
-        weights = per_stage[p] * itemsize(spec.dtype)
-        layers, last = len(layer_ranges[p]), p == config.pp - 1
-        if key.endswith(".gen"):
-            kv_local = max(spec.num_kv_heads // config.tp, 1)
-            transient = 2 * layers * kv_local * spec.dim_head * rows * seq * size
-            transient += rows * spec.vocab_size * (size + 4) if spec.head == "lm" else 0
-            out.append(StageMemory(stage=key, resident=weights, transient=int(transient)))
-            continue
-        n = sc.micro_batches(rows)
-        micro = -(-rows // n)
-        tokens = seq * micro
-        fsdp = sc.dp_shard and config.dp > 1
-        per_layer = activation_bytes(spec, config.tp, args.compute, train=train)
-        shared = tokens * (2 * spec.dim_head * size + seq)  # RoPE's cos/sin tables, the bool attention mask
-        if train:
-            transient = (tokens * per_layer * layers + shared) * min(config.pp - p, n)
-            transient += tokens * final_norm_bytes(spec, args.compute) if last else 0
-        else:
-            transient = tokens * per_layer + shared
-        transient += weight_workspace(args, config, weights, train=train, fsdp=fsdp)
-        if last and spec.head == "lm":
-            transient += tokens * (spec.vocab_size // config.tp) * logits_bytes(args.compute, cfg.rollout.temperature)
-        out.append(StageMemory(stage=key, resident=weights * (4 if train else 1), transient=int(transient)))
-    return out
+        return np.zeros(len(which), dtype=np.int64), np.full(len(which), share, dtype=np.int64)  # asleep outside generation
+    layers, ck = per_unique(lambda pp, p, r: stage_layers(spec.num_layers, pp, p, RECOMPUTE[r]), pp, stage, c.recompute[which]).T
+    weights = c.elements(spec)[layout, stage] * itemsize(spec.dtype)
+    last = stage == pp - 1
+    if key.endswith(".gen"):
+        kv_local = np.maximum(spec.num_kv_heads // tp, 1)
+        transient = 2 * layers * kv_local * spec.dim_head * rows * seq * size
+        if spec.head == "lm":
+            transient = transient + rows * spec.vocab_size * (size + 4)
+        return weights, transient.astype(np.int64)
+    batching = micro_batching(rows, pp, c.micro_batch_size[which], c.micro_batch_tokens[which], seq, seq)
+    n, tokens = batching.count, batching.tokens
+    per_layer = activation_bytes(spec, tp, args.compute, train=train)
+    shared = tokens * (2 * spec.dim_head * size + batching.mask)  # RoPE's cos/sin tables, the bool attention mask (padded rows)
+    if train:
+        kept = (layers - ck) * per_layer + ck * size * spec.hidden_size  # a checkpointed block keeps its input only
+        transient = (tokens * kept + shared) * np.minimum(pp - stage, n) + np.where(last, tokens * final_norm_bytes(spec, args.compute), 0)
+    else:
+        transient = tokens * per_layer + shared
+    transient = transient + size * tokens * batching.mask  # SDPA's compute-dtype copy of the bool mask, while one attention runs
+    transient = transient + weight_workspace(args, tp, weights, train=train, fsdp=c.fsdp[which])
+    head = np.where(last, tokens * (spec.vocab_size // tp) * logits_bytes(args.compute, cfg.rollout.temperature), 0) if spec.head == "lm" else 0
+    transient = transient + head
+    if train:  # backward recomputes one checkpointed block at a time, once the head's logits are freed
+        head = head + np.where(last, tokens * final_norm_bytes(spec, args.compute), 0)
+        transient = transient + np.maximum(0, np.where(ck > 0, tokens * per_layer, 0) - head)
+    return weights * (4 if train else 1), transient.astype(np.int64)
 
 
 def plan_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> dict[int, list[StageMemory]]:
     """Every rank's memory per model-stage it holds under ``plan`` (default the job's)."""
-    out: dict[int, list[StageMemory]] = defaultdict(list)
-    for key, sc in (plan or cfg.plan).stages().items():
-        for rank, m in stage_memory(cfg, key, sc, seq=seq).items():
-            out[rank].append(m)
-    return dict(out)
+    return {int(rank): list(held[0]) for held, ranks in distinct_ranks(cfg, (plan or cfg.plan,), seq=seq) for rank in ranks}
+
+
+def distinct_ranks(cfg: JobConfig, plans: tuple, *, seq: int | None = None) -> list[tuple[tuple[tuple[StageMemory, ...], ...], np.ndarray]]:
+    """The ranks of ``plans`` grouped by what they hold: per group, each plan's StageMemory of
+    every model-stage the group's ranks hold (in the plan's order), and those ranks. Ranks
+    of one pipeline stage of every model-stage hold alike: a 1,024-rank plan has a few groups."""
+    mems, columns = [], []
+    for k, plan in enumerate(plans):
+        for key, sc in plan.stages().items():
+            ranks = np.array(sc.ranks, dtype=np.int64) if sc.ranks is not None else np.arange(cfg.nproc)
+            column = np.full(max(cfg.nproc, int(ranks.max()) + 1), -1, dtype=np.int64)
+            column[ranks] = (np.arange(len(ranks)) // sc.tp) % sc.pp  # rank i of the stage's order: tp fastest, then pp
+            columns.append(column)
+            mems.append((k, pipeline_memory(cfg, key, sc, seq=seq)))
+    width = max(len(c) for c in columns)
+    table = np.stack([np.pad(c, (0, width - len(c)), constant_values=-1) for c in columns], axis=1)  # [ranks, model-stages]
+    held = np.flatnonzero((table >= 0).any(axis=1))
+    code = np.zeros(len(held), dtype=np.int64)
+    for column, (_, m) in zip(table[held].T, mems):  # a rank's pipeline stage of each model-stage, as one integer
+        code = code * (len(m) + 1) + column + 1
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    out = []
+    for i, row in enumerate(table[held[first]].tolist()):
+        per_plan = tuple(tuple(m[p] for (j, m), p in zip(mems, row) if j == k and p >= 0) for k in range(len(plans)))
+        out.append((per_plan, held[inverse.ravel() == i]))
+    return out
 
 
 def rank_peak(stages: list[StageMemory]) -> tuple[int, StageMemory]:
@@ -196,7 +241,7 @@ def activation_bytes(spec, tp: int, compute: str, *, train: bool) -> int:
     intermediates of its forward (inference). See the module docstring."""
     c, h = itemsize(compute), spec.hidden_size
     q = spec.num_heads * spec.dim_head // tp
-    kv = (spec.num_kv_heads // tp if spec.num_kv_heads % tp == 0 else 1) * spec.dim_head
+    kv = np.where(spec.num_kv_heads % tp == 0, spec.num_kv_heads // tp, 1) * spec.dim_head
     mlp = spec.intermediate_size // tp
     if not train:
         return c * (2 * h + 4 * mlp)
@@ -210,21 +255,22 @@ def final_norm_bytes(spec, compute: str) -> int:
     return 2 * c * h + ((4 + c) * h if c < 4 else 0)
 
 
-def weight_workspace(args, config, weights: int, *, train: bool, fsdp: bool) -> float:
+def weight_workspace(args, tp, weights, *, train: bool, fsdp):
     """Weights in flight beyond the resident shards (module docstring): compute-dtype copies
     of float32 masters, or FSDP2's all-gathered units and, in training, its reduce-scatter
-    inputs."""
+    inputs. Elementwise over ``tp``, ``weights`` (bytes of a rank's resident weights) and
+    ``fsdp`` (FSDP2 in effect)."""
     spec, c = args.spec, itemsize(args.compute)
-    h, d, t = spec.hidden_size, spec.dim_head, config.tp
+    h, d, t = spec.hidden_size, spec.dim_head, tp
     largest = max(spec.vocab_size * h, h * spec.intermediate_size) / t * itemsize(spec.dtype)
     accumulate = largest if train else 0  # autograd adds each new gradient into .grad from a temporary
-    if not fsdp:
-        return accumulate + (weights * c / itemsize(spec.dtype) if args.compute != spec.dtype else 0.0)
+    replicated = accumulate + (weights * c / itemsize(spec.dtype) if args.compute != spec.dtype else 0.0)
     layer = (h * spec.num_heads * d * 2 + h * spec.num_kv_heads * d * 2 + 3 * h * spec.intermediate_size) / t
     root = spec.vocab_size * h / t * (2 if spec.head == "lm" and not spec.tie_embeddings else 1) + h
     gathered = (root + 2 * layer) * c
     scatter = c + 4 if c < 4 else 2 * c  # the unsharded gradient, and its float32 (or flat) reduce-scatter input
-    return gathered + (max(root, layer) * scatter if train else 0)
+    sharded = gathered + (np.maximum(root, layer) * scatter if train else 0)
+    return np.where(fsdp, sharded, replicated)
 
 
 def check_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> None:

@@ -13,11 +13,18 @@ and the memory correction (``fit_memory``: per class of training layouts, the la
 shortfall of the model against its recent measured peaks). ``decide`` checks the triggers of
 ``admission``, searches (``search``) for the coming step's workload, prices the best
 plan's transition (``transition``) and applies the admission rule; every decision it
-returns goes to ``RUN_DIR/transitions.jsonl``.
+returns goes to ``RUN_DIR/transitions.jsonl``. When the running plan no longer fits, the
+running layouts with activation recompute (``selective``, then ``full``: a retune, no state
+moves) are weighed with the searched plans, and taken for the coming step when no plan fits
+the lookahead, before the controller gives up.
+
+The workload's mean real row (what packing runs on) comes from the step's records: a
+model-stage's ``real_tokens`` per row, less the mean response (``observed_prompt_mean``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -28,9 +35,10 @@ import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
 from .admission import Decision, DriftWatch, admit
-from .memory import HEADROOM, gib, plan_memory
+from .candidates import RECOMPUTE
+from .memory import HEADROOM, distinct_ranks, gib, plan_memory
 from .profiles import DeviceProfile
-from .search import MemoryFit, device_budget, plan_seconds, rank_class, search
+from .search import MemoryFit, PlanChoice, device_budget, plan_seconds, rank_class, search
 from .steptime import Placement, StepTimeModel, stage_features, sync_features
 from .transition import TransitionModel, transition_peak
 from .workload import Workload
@@ -61,6 +69,16 @@ def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) 
     return None
 
 
+def observed_prompt_mean(metrics: dict) -> float | None:
+    """A step's real prompt tokens per row on average: a model-stage's real tokens per row
+    (``real_tokens`` / ``rows``, what packing runs on) less the mean response length; None
+    when the step's records do not count real tokens."""
+    for record in metrics["stages"].values():
+        if record.get("real_tokens") and record.get("rows"):
+            return max(0.0, record["real_tokens"] / record["rows"] - float(metrics["response_length"]))
+    return None
+
+
 def plan_key(plan: PlanConfig) -> str:
     return plan_key_of(config_to_dict(plan))
 
@@ -83,6 +101,7 @@ class Controller:
         self.transition_samples: list[tuple[float, int, float]] = []
         self.errors: deque = deque(maxlen=20)
         self.lengths: list[tuple[int, float]] = []
+        self.prompt_mean: float | None = None  # real prompt tokens of a row, on average (None: as long as the longest)
         self.watch = DriftWatch(drift=settings.drift)
         self.left: dict[str, int] = {}
         self.step = first_step
@@ -108,7 +127,9 @@ class Controller:
         self.step = int(metrics["step"])
         longest, mean = int(metrics["lengths"]["response_max"]), float(metrics["response_length"])
         self.lengths.append((longest, mean))
-        work = Workload.from_config(cfg).at(longest, mean)
+        seen = observed_prompt_mean(metrics)
+        self.prompt_mean = seen if seen is not None else self.prompt_mean
+        work = dataclasses.replace(Workload.from_config(cfg).at(longest, mean), prompt_mean=self.prompt_mean)
         where = Placement(nproc=cfg.nproc, profile=self.profile)
         pieces, predicted_total, measured_total = {}, 0.0, 0.0
         for name, record in metrics["stages"].items():
@@ -163,9 +184,9 @@ class Controller:
     def decide(self, cfg: JobConfig, metrics: dict | None = None, *, nproc: int | None = None) -> Decision | None:
         """The decision before the coming step, or None when nothing triggered."""
         t0 = time.perf_counter()
-        work = Workload.observed(cfg, self.lengths)  # the coming step: does the running plan fit it?
+        work = Workload.observed(cfg, self.lengths, prompt_mean=self.prompt_mean)  # the coming step: does the running plan fit it?
         ahead_steps = min(self.settings.lookahead, max(cfg.steps - self.step, 1))
-        ahead = Workload.observed(cfg, self.lengths, ahead=ahead_steps)
+        ahead = Workload.observed(cfg, self.lengths, ahead=ahead_steps, prompt_mean=self.prompt_mean)
         where = Placement(nproc=cfg.nproc, profile=self.profile)
         old = self._predict(cfg, cfg.plan, ahead, where)
         triggers, urgent = [], False
@@ -184,24 +205,35 @@ class Controller:
         self.watch.reset(signals)
         horizon = max((self.watch.horizon(n) for n in drifted), default=1.0)
         common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
+        # over the budget: activation recompute on the running layouts is a retune (no state moves)
+        retunes = self._retunes(cfg, ahead, ahead, where, budget) if "infeasible" in triggers else []
         try:
-            result = search(cfg, ahead, self.profile, self.model, fit=self.memory, top=12)
-        except ConfigError as e:  # nothing fits: the running plan goes on (the budget is the model's)
-            return self._decided(Decision(**common, admitted=False, reason=f"no plan fits: {e}", new_plan=None, new_seconds=None,
-                                          gain_seconds=0.0, transition_seconds=None, decision_ms=(time.perf_counter() - t0) * 1e3))
-        best = result.best
+            plans = search(cfg, ahead, self.profile, self.model, fit=self.memory, top=12).plans
+        except ConfigError as e:  # nothing fits the lookahead: recompute for the coming step, or the running plan goes on
+            retunes = retunes or (self._retunes(cfg, work, ahead, where, budget) if "infeasible" in triggers else [])
+            if not retunes:
+                return self._decided(Decision(**common, admitted=False, reason=f"no plan fits: {e}", new_plan=None, new_seconds=None,
+                                              gain_seconds=0.0, transition_seconds=None, decision_ms=(time.perf_counter() - t0) * 1e3))
+            plans = []
+        if retunes:
+            searched = {plan_key(c.plan) for c in plans}
+            plans += [r for r in retunes if plan_key(r.plan) not in searched]
+        best = plans[0]
         if plan_key(best.plan) == plan_key(cfg.plan):
             return self._decided(Decision(**common, admitted=False, reason="the running plan is the best", new_plan=None,
                                           new_seconds=old, gain_seconds=0.0, transition_seconds=None,
                                           decision_ms=(time.perf_counter() - t0) * 1e3))
         cost = self.transitions.cost(cfg, cfg.plan, best.plan, budget=int(budget) if budget else None)
         if urgent:  # it must move: the plan cheapest over the lookahead, transition included, not one just left
-            best, cost = self._cheapest(cfg, result.plans, ahead_steps=ahead_steps, budget=budget, first=(best, cost))
+            best, cost = self._cheapest(cfg, plans, ahead_steps=ahead_steps, budget=budget, first=(best, cost))
+        moving = None  # the bytes a rank holds while the plan moves (computed when needed)
         if budget is not None:  # while a stage moves, its old and new state are both held
-            held = self._move_peak(cfg, best.plan) * HEADROOM
+            moving = self._move_peak(cfg, best.plan)
+            held = moving * HEADROOM
             if held > budget:
-                for choice in result.plans[1:]:  # the best plan whose move fits
-                    if self._move_peak(cfg, choice.plan) * HEADROOM <= budget:
+                for choice in plans[1:]:  # the best plan whose move fits
+                    moving = self._move_peak(cfg, choice.plan)
+                    if moving * HEADROOM <= budget:
                         best = choice
                         break
                 else:
@@ -222,7 +254,7 @@ class Controller:
         if ok:
             self.left[plan_key(cfg.plan)] = self.step
             self.pending = {"stages": len(cost.stages), "movement_s": cost.seconds - self.transitions.rebuild * len(cost.stages),
-                            "peak_bytes": self._move_peak(cfg, best.plan)}
+                            "peak_bytes": moving if moving is not None else self._move_peak(cfg, best.plan)}
         return self._decided(decision)
 
     def _cheapest(self, cfg: JobConfig, plans: list, *, ahead_steps: int, budget: float | None, first):
@@ -238,21 +270,41 @@ class Controller:
         _, best, cost = min(scored, key=lambda x: x[0])
         return best, cost
 
+    def _retunes(self, cfg: JobConfig, fits: Workload, ahead: Workload, where: Placement, budget: float | None) -> list[PlanChoice]:
+        """The running layouts with activation recompute raised on every training stage the
+        controller may change — ``selective``, then ``full`` — that fit ``budget`` at ``fits``,
+        priced at ``ahead``: retunes, which move no state (``transition.RETUNED``)."""
+        stages, movable = cfg.plan.stages(), cfg.controller.stages
+        out = []
+        for mode in RECOMPUTE[1:]:
+            plan = cfg.plan
+            for key, sc in stages.items():
+                if key.endswith(".train") and (movable is None or key in movable) and RECOMPUTE.index(sc.recompute) < RECOMPUTE.index(mode):
+                    model, stage = key.split(".")
+                    plan = dataclasses.replace(plan, **{model: dataclasses.replace(getattr(plan, model), **{stage: dataclasses.replace(sc, recompute=mode)})})
+            peak = self._peak(cfg, plan, fits)
+            if plan != cfg.plan and (budget is None or peak <= budget):
+                seconds = plan_seconds(cfg, plan, ahead, where, self.model)
+                out.append(PlanChoice(plan=plan, seconds=sum(seconds.values()), stage_seconds=seconds, peak_bytes={0: peak}, placement="running"))
+        return out
+
     def _predict(self, cfg: JobConfig, plan: PlanConfig, work: Workload, where: Placement) -> float:
         return sum(plan_seconds(cfg, plan, work, where, self.model).values())
 
     def _peak(self, cfg: JobConfig, plan: PlanConfig, work: Workload) -> float:
         """The largest calibrated per-rank peak, with headroom."""
         worst = 0.0
-        for stages in plan_memory(cfg, plan, seq=work.width).values():
+        for (stages,), _ in distinct_ranks(cfg, (plan,), seq=work.width):
             worst = max(worst, self.memory.peak(*_rank_terms(plan, stages)) * HEADROOM)
         return worst
 
     def _move_peak(self, cfg: JobConfig, new: PlanConfig) -> float:
         """The calibrated bytes a rank holds while the running plan moves to ``new`` (before
         headroom), corrected as the least known of the ranks' classes in either plan."""
-        classes = {_rank_terms(p, stages)[2] for p in (cfg.plan, new) for stages in plan_memory(cfg, p).values()}
-        return max(self.memory.peak(transition_peak(cfg, cfg.plan, new), 0, c) for c in classes)
+        groups = distinct_ranks(cfg, (cfg.plan, new))
+        classes = {_rank_terms(plan, held[k])[2] for held, _ in groups for k, plan in enumerate((cfg.plan, new)) if held[k]}
+        peak = transition_peak(cfg, cfg.plan, new, groups=groups)
+        return max(self.memory.peak(peak, 0, c) for c in classes)
 
     def _decided(self, decision: Decision) -> Decision:
         self._log("transitions.jsonl", {"kind": "decision", **asdict(decision)})

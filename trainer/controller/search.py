@@ -1,20 +1,29 @@
 """The best plans for a job, a world and a workload, under the memory budget (pure).
 
-1. Candidates per model-stage: every (tp, pp, dp, dp_shard, micro_batch_size) that fits the
-   stage's ranks and model — tp and pp powers of two (tp dividing heads, vocabulary and
-   MLP width; pp at most the layers; generation pp = 1), dp the rest, dp dividing the rows it
-   splits, FSDP only for training, micro-batches halving the replica's rows down to 1/16.
-2. Each candidate is priced by the step-time model (``steptime``; a weight sync's cost is
-   charged to the stage it fills) and the memory model at the workload's width
-   (``memory.pipeline_memory``: the largest resident and transient of its pipeline stages).
-3. Per model-stage, the Pareto frontier of (seconds, resident, transient): a candidate
-   slower and no smaller in both memories than another is dropped.
+1. Candidates per model-stage: every (tp, pp, dp, dp_shard) layout that fits the stage's
+   ranks and model — tp and pp powers of two (tp dividing heads, vocabulary and MLP width;
+   pp at most the layers; generation pp = 1), dp the rest, dp dividing the rows it splits,
+   FSDP only for training — run whole, in micro-batches halving the replica's rows down to
+   1/16, or — when the workload's rows are shorter than its width on average, padding to
+   remove — packed into token budgets of as many longest rows (``micro_batch_tokens``:
+   rows … rows/16 of them); training stages also with activation recompute ``selective``
+   and ``full`` (``_knobs``). They are arrays (``candidates.Candidates``), a StageConfig
+   built only for the plans returned.
+2. Each model-stage's candidates are priced at once by the step-time model (``steptime``;
+   a weight sync's cost is charged to the stage it fills) and the memory model at the
+   workload's width (``memory.candidate_memory``: the largest resident and transient of its
+   pipeline stages).
+3. Per model-stage, the Pareto frontier of (seconds, resident, transient) per layout kind: a
+   candidate slower and no smaller in both memories than another is dropped (first within
+   each layout, all layouts at once, then across the kind's layouts).
 4. Combined stage by stage (dynamic programming over Pareto sets): a partial plan carries
    its seconds, the resident bytes it puts on each rank group, its largest transient there
    and the kinds of training layout it puts there; a rank's peak is Σ resident + max
    transient (co-located stages run one after another), corrected for its class of layouts
    (``MemoryFit``). Partial plans over the budget, or dominated, are dropped (at most ``beam``
-   kept per step, fastest first).
+   kept per step, fastest first). Every partial plan and its growth are rows of arrays; the
+   pruning scans them fastest first and stops once ``beam`` are kept (and their ties), which
+   keeps exactly the rows comparing every pair would (``_pareto``).
 5. Placements: ``colocated`` (every model-stage on all ranks, in turn) and ``split``
    (generation on the first half of the ranks, the other stages on the second half).
 
@@ -26,6 +35,7 @@ fits is a ``ConfigError`` saying the smallest peak found and by how much it miss
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,11 +45,12 @@ import numpy as np
 from nereus.reshard.derive import check_tp
 from nereus.reshard.errors import LayoutError
 
-from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
+from ..config import ConfigError, JobConfig, PlanConfig, StageConfig, longest_row
 from ..stage_args import model_args
-from .memory import GIB, HEADROOM, gib, pipeline_memory
+from .candidates import RECOMPUTE, Candidates
+from .memory import GIB, HEADROOM, candidate_memory, gib
 from .profiles import DeviceProfile
-from .steptime import Placement, StepTimeModel, stage_features, sync_features
+from .steptime import Placement, StepTimeModel, candidate_features, candidate_sync_features
 from .workload import Workload
 
 PLACEMENTS = ("colocated", "split")
@@ -79,17 +90,6 @@ class MemoryFit:
     def peak(self, resident: float, transient: float, cls: str = "") -> float:
         offset, margin = self.terms(cls)
         return (resident + transient) * (1.0 + margin) + offset
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Candidate:
-    key: str
-    config: StageConfig
-    seconds: float
-    resident: int
-    transient: int
-    group: int  # the rank group it runs on (0, or 1 for split's non-generation stages)
-    kind: str = ""  # layout_kind(config)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,17 +132,28 @@ def stage_options(cfg: JobConfig, key: str, ranks: tuple[int, ...], work: Worklo
     """Every stage config of ``key`` on ``ranks`` the trainer can run (module docstring, 1),
     within ``controller.stages``/``max_tp``/``max_pp`` (a stage the controller may not move
     keeps the job's)."""
-    from ..stage_args import model_args
+    return stage_candidates(cfg, key, ranks, work).configs()
 
+
+def stage_candidates(cfg: JobConfig, key: str, ranks: tuple[int, ...], work: Workload) -> Candidates:
+    """``stage_options`` as arrays (``Candidates``), without building a StageConfig each."""
+    return _stage_candidates(cfg, key, ranks, work.minibatch if key.endswith(".train") else work.batch, work.row_mean < work.width)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_candidates(cfg: JobConfig, key: str, ranks: tuple[int, ...], rows: int, packing: bool) -> Candidates:
+    """``stage_candidates`` of a stage whose replicas split ``rows`` rows, with token budgets
+    when ``packing`` (cached: the options depend on the workload through these only)."""
     limits = cfg.controller
     if limits.stages is not None and key not in limits.stages:
-        return [cfg.plan.stages()[key]]
+        return Candidates.of([cfg.plan.stages()[key]])
     spec = model_args(cfg, key).spec
     n = len(ranks)
     train, gen = key.endswith(".train"), key.endswith(".gen")
     vllm = gen and cfg.rollout.engine == "vllm"
     explicit = None if ranks == tuple(range(cfg.nproc)) else ranks
-    out = []
+    longest = longest_row(cfg)
+    layouts, knobs = [], []  # per layout: its (micro_batch_size, micro_batch_tokens, recompute) rows
     max_tp = 1 if vllm and cfg.device_profile == "cpu" else (limits.max_tp or n)  # vLLM's CPU build: tp=1 (config.py)
     for tp in _pow2(min(n, max_tp)):
         try:
@@ -153,26 +164,45 @@ def stage_options(cfg: JobConfig, key: str, ranks: tuple[int, ...], work: Worklo
             if n % (tp * pp):
                 continue
             dp = n // (tp * pp)
-            rows = work.minibatch if train else work.batch
             if rows % dp:
                 continue
             per_replica = rows // dp
             for shard in ((False, True) if train and dp > 1 else (False,)):
-                micro = [None] if gen else [None] + [per_replica // k for k in (2, 4, 8, 16) if per_replica % k == 0]
-                for mbs in micro:
-                    out.append(StageConfig(dp=dp, tp=tp, pp=pp, ranks=explicit, dp_shard=shard, fused=vllm, micro_batch_size=mbs))
-    return out
+                layouts.append(StageConfig(dp=dp, tp=tp, pp=pp, ranks=explicit, dp_shard=shard, fused=vllm))
+                knobs.append(_knobs(per_replica, longest, gen=gen, train=train, packing=packing))
+    table = np.array([k for ks in knobs for k in ks], dtype=np.int64).reshape(-1, 3)
+    return Candidates(layouts=tuple(layouts), layout=np.repeat(np.arange(len(layouts)), [len(k) for k in knobs]),
+                      micro_batch_size=table[:, 0], micro_batch_tokens=table[:, 1], recompute=table[:, 2])
+
+
+@functools.lru_cache(maxsize=1024)
+def _knobs(rows: int, longest: int, *, gen: bool, train: bool, packing: bool) -> tuple[tuple[int, int, int], ...]:
+    """(micro_batch_size, micro_batch_tokens, recompute index) options of a replica of
+    ``rows`` rows (module docstring, 1): the rollout runs its whole batch; the others whole,
+    or in micro-batches of rows/2 … rows/16 rows, or, when rows are shorter than the batch is
+    wide on average (``packing``: padding to remove), packed into budgets of that many
+    longest rows (rows … rows/16 of ``longest`` tokens); training also with each recompute."""
+    if gen:
+        return ((0, 0, 0),)
+    splits = [k for k in (1, 2, 4, 8, 16) if rows % k == 0]
+    batching = [(0, 0)] + [(rows // k, 0) for k in splits[1:]] + [(0, longest * rows // k) for k in splits if packing]
+    return tuple((m, t, r) for r in (range(len(RECOMPUTE)) if train else (0,)) for m, t in batching)
 
 
 def stage_seconds(cfg: JobConfig, key: str, sc: StageConfig, work: Workload, where: Placement, model: StepTimeModel, args=None) -> float:
     """Predicted seconds of model-stage ``key`` under ``sc``: the weight sync that fills it
     included, and for a training stage its own forward where the step runs one (the actor's
     old log-probs off-policy; the critic's values without a ``critic.infer``)."""
-    seconds = model.predict(stage_features(cfg, key, sc, work, where, args=args))
+    return float(candidate_seconds(cfg, key, Candidates.of([sc]), work, where, model, args)[0])
+
+
+def candidate_seconds(cfg: JobConfig, key: str, c: Candidates, work: Workload, where: Placement, model: StepTimeModel, args=None) -> np.ndarray:
+    """``stage_seconds`` of every candidate of ``c`` at once."""
+    seconds = model.predict(candidate_features(cfg, key, c, work, where, args=args))
     if key in SYNCED:
-        seconds += model.predict(sync_features(cfg, key, sc, where, args=args))
+        seconds = seconds + model.predict(candidate_sync_features(cfg, key, c, where, args=args))
     if (key == "actor.train" and not cfg.on_policy) or (key == "critic.train" and "critic.infer" not in cfg.plan.stages()):
-        seconds += model.predict(stage_features(cfg, key, sc, work, where, mode="infer", args=args))
+        seconds = seconds + model.predict(candidate_features(cfg, key, c, work, where, mode="infer", args=args))
     return seconds
 
 
@@ -181,36 +211,113 @@ def plan_seconds(cfg: JobConfig, plan: PlanConfig, work: Workload, where: Placem
     return {key: stage_seconds(cfg, key, sc, work, where, model) for key, sc in plan.stages().items()}
 
 
-def _price(cfg: JobConfig, key: str, sc: StageConfig, work: Workload, where: Placement, model: StepTimeModel, group: int, args) -> Candidate:
-    seconds = stage_seconds(cfg, key, sc, work, where, model, args)
-    memory = pipeline_memory(cfg, key, sc, seq=work.width, ends=True, args=args)
-    return Candidate(key=key, config=sc, seconds=seconds, resident=max(m.resident for m in memory),
-                     transient=max(m.transient for m in memory), group=group, kind=layout_kind(sc))
+@dataclass(frozen=True, kw_only=True)
+class Priced:
+    """A model-stage's candidates on one rank group with their predicted seconds and memory
+    (arrays, one entry per candidate) and their layout kinds (``layout_kind``)."""
+
+    key: str
+    group: int
+    candidates: Candidates
+    seconds: np.ndarray
+    resident: np.ndarray
+    transient: np.ndarray
+    kind: np.ndarray
+    """Per candidate: its index in ``kinds``."""
+    kinds: tuple[str, ...]
 
 
-def frontier(candidates: list[Candidate]) -> list[Candidate]:
-    """The Pareto-minimal candidates in (seconds, resident, transient) of each layout kind
-    (kinds are corrected apart: ``MemoryFit``), fastest first."""
-    out = []
-    for kind in sorted({c.kind for c in candidates}):
-        ordered = sorted((c for c in candidates if c.kind == kind), key=lambda c: (c.seconds, c.resident, c.transient))
-        mem = np.array([[c.resident, c.transient] for c in ordered], dtype=np.float64).reshape(-1, 2)
-        out += [ordered[i] for i in _undominated(mem)]
-    return sorted(out, key=lambda c: c.seconds)
+def price(cfg: JobConfig, key: str, c: Candidates, work: Workload, where: Placement, model: StepTimeModel, group: int) -> Priced:
+    """Every candidate of ``c`` priced by the step-time and memory models at the workload's width."""
+    args = model_args(cfg, key)
+    resident, transient = candidate_memory(cfg, key, c, seq=work.width, args=args)
+    names = [layout_kind(sc) for sc in c.layouts]
+    kinds = tuple(sorted(set(names)))
+    return Priced(key=key, group=group, candidates=c, seconds=candidate_seconds(cfg, key, c, work, where, model, args),
+                  resident=resident, transient=transient, kinds=kinds,
+                  kind=np.array([kinds.index(k) for k in names], dtype=np.int64)[c.layout])
 
 
-def _undominated(mem: np.ndarray, limit: int | None = None) -> list[int]:
-    """Indices of rows (already sorted by time) that no earlier row matches or beats in every
-    memory column: the Pareto set in (time, memory...). At most ``limit`` kept, earliest first."""
+def frontier(p: Priced) -> np.ndarray:
+    """Indices of the Pareto-minimal candidates in (seconds, resident, transient) of each
+    layout kind (kinds are corrected apart: ``MemoryFit``), fastest first (ties: by kind name,
+    then resident, then transient)."""
+    order = np.lexsort((p.transient, p.resident, p.seconds))
+    mem = np.stack([p.resident[order], p.transient[order]], axis=1).astype(np.float64)
+    # first within each layout (all at once): a candidate beaten by one of its own layout
+    # is beaten within its kind, so dropping it early changes nothing
+    alive = ~_beaten_in_layout(p.candidates.layout[order], mem)
+    order, mem = order[alive], mem[alive]
+    kept = _pareto(mem, p.kind[order])
+    kept = kept[np.lexsort((kept, p.kind[order][kept], p.seconds[order][kept]))]
+    return order[kept]
+
+
+def _beaten_in_layout(layout: np.ndarray, mem: np.ndarray) -> np.ndarray:
+    """Per row (sorted by time): an earlier row of the same ``layout`` holds no more than it
+    in every column of ``mem``. Every layout's rows at once, in a [layouts, n, n] grid."""
+    if not len(layout):
+        return np.zeros(0, dtype=bool)
+    by = np.argsort(layout, kind="stable")
+    counts = np.bincount(layout)
+    rank = np.arange(len(by)) - (np.cumsum(counts) - counts)[layout[by]]
+    grid = np.full((len(counts), int(counts.max()), mem.shape[1]), np.inf)  # padding beats nothing
+    grid[layout[by], rank] = mem[by]
+    beaten = np.tri(grid.shape[1], k=-1, dtype=bool)[None]  # [layout, i, j]: j before i
+    for col in range(mem.shape[1]):
+        beaten = beaten & (grid[:, None, :, col] <= grid[:, :, None, col])
+    out = np.zeros(len(layout), dtype=bool)
+    out[by] = beaten.any(axis=2)[layout[by], rank]
+    return out
+
+
+BLOCK = 128
+"""Rows ``_pareto`` compares at once ([BLOCK, BLOCK] boolean matrices)."""
+
+
+def _pareto(mem: np.ndarray, group: np.ndarray, *, per_group: int | None = None, cap: int | None = None, until=None) -> np.ndarray:
+    """Rows (sorted by time) that no earlier row of their ``group`` matches or beats in every
+    column of ``mem``, in row order: the Pareto set in (time, memory...) of each group, of its
+    first ``cap`` rows only, at most ``per_group`` of each (the earliest).
+
+    Rows are taken ``BLOCK`` at a time, each checked against the rows kept so far and the
+    earlier rows of its block: an earlier row that was dropped is itself matched by an
+    earlier kept one, which then matches this row too (``<=`` is transitive); a row past its
+    group's cap comes after all the group's others, so it could only match those past it
+    too, and a group past its cap or its quota is not scanned further. ``until(kept)``: the
+    number of leading rows that must be scanned given the rows kept so far (default all);
+    the scan stops past them. Columns equal in every row decide
+    nothing and are left out. ``group``: small non-negative integers."""
     n = len(mem)
-    if n == 0:
-        return []
-    # earlier[i, j]: row j comes before row i and holds no more than it anywhere
-    le = (mem[None, :, :] <= mem[:, None, :]).all(axis=2)
-    earlier = np.tril(le, k=-1)
-    keep = ~earlier.any(axis=1)
-    idx = np.flatnonzero(keep)
-    return idx[:limit].tolist() if limit else idx.tolist()
+    mem = mem[:, (mem != mem[:1]).any(axis=0)] if n else mem
+    kept = np.zeros(0, dtype=np.int64)
+    counts = np.zeros(int(group.max()) + 1 if n else 0, dtype=np.int64)  # kept per group
+    seen = counts.copy()  # rows scanned per group
+    todo = np.arange(n)  # the rows of groups that may still keep one, in order
+    while len(todo) and (until is None or todo[0] < until(kept)):
+        at, todo = todo[:BLOCK], todo[BLOCK:]
+        rows, g = mem[at], group[at]
+        earlier = np.tri(len(rows), k=-1, dtype=bool) & (g[None, :] == g[:, None])
+        no_more = earlier.copy()  # no_more[i, j]: row j, earlier and of i's group, holds no more than row i anywhere
+        for col in rows.T:
+            no_more &= col[None, :] <= col[:, None]
+        alive = ~no_more.any(axis=1)
+        if len(kept):
+            held = group[kept][None, :] == g[:, None]
+            for col, old in zip(rows.T, mem[kept].T):
+                held &= old[None, :] <= col[:, None]
+            alive &= ~held.any(axis=1)
+        if cap is not None:  # the group's first cap rows only
+            alive &= seen[g] + earlier.sum(axis=1) < cap
+            seen += np.bincount(g, minlength=len(seen))
+        if per_group is not None:  # the earliest per_group of each group only
+            alive &= counts[g] + (earlier & alive[None, :]).sum(axis=1) < per_group
+            counts += np.bincount(g[alive], minlength=len(counts))
+        kept = np.concatenate([kept, at[alive]])
+        if cap is not None or per_group is not None:  # a group past its cap or its quota keeps no more rows
+            done = (seen >= (cap if cap is not None else n + 1)) | (counts >= (per_group if per_group is not None else n + 1))
+            todo = todo[~done[group[todo]]]
+    return kept
 
 
 def placement_groups(cfg: JobConfig, placement: str) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -221,6 +328,70 @@ def placement_groups(cfg: JobConfig, placement: str) -> dict[str, tuple[int, tup
         return {k: (0, everyone) for k in keys}
     half = cfg.nproc // 2
     return {k: ((0, everyone[:half]) if k.endswith(".gen") else (1, everyone[half:])) for k in keys}
+
+
+class _Classes:
+    """The rank classes of partial plans (``rank_class``) as ids: id 0 holds no training
+    layout; ``grow`` adds a training stage's layout kind to a class. Each id's correction
+    (offset, margin) is computed once (``MemoryFit.terms``)."""
+
+    def __init__(self, fit: MemoryFit) -> None:
+        self.fit = fit
+        self.kinds: list[tuple] = [()]
+        self.ids: dict[tuple, int] = {(): 0}
+        self.terms: list[tuple[float, float]] = [fit.terms(rank_class(()))]
+        self.steps: dict[tuple, int] = {}
+
+    def grow(self, ids: np.ndarray, key: str, kinds: np.ndarray, names: tuple[str, ...]) -> np.ndarray:
+        """The class of each ``ids[i]`` with ``key`` in layout kind ``names[kinds[i]]`` added."""
+        pairs, inverse = np.unique(ids * len(names) + kinds, return_inverse=True)
+        out = []
+        for pair in pairs.tolist():
+            step = (pair // len(names), key, names[pair % len(names)])
+            got = self.steps.get(step)
+            if got is None:
+                grown = (*self.kinds[step[0]], (key, step[2]))
+                got = self.ids.get(grown)
+                if got is None:
+                    got = self.ids[grown] = len(self.kinds)
+                    self.kinds.append(grown)
+                    self.terms.append(self.fit.terms(rank_class(grown)))
+                self.steps[step] = got
+            out.append(got)
+        return np.array(out, dtype=np.int64)[inverse.ravel()]
+
+    def corrections(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(offset, margin) of each class id, same shape as ``ids``."""
+        terms = np.array(self.terms, dtype=np.float64)
+        return terms[ids, 0], terms[ids, 1]
+
+
+@dataclass(kw_only=True)
+class _Partial:
+    """Partial plans as arrays, one row each: seconds, resident bytes and largest transient
+    per rank group, the class id per group and the candidate picked per model-stage so far."""
+
+    seconds: np.ndarray
+    resident: np.ndarray
+    transient: np.ndarray
+    classes: np.ndarray
+    picks: np.ndarray
+
+    def take(self, idx) -> _Partial:
+        return _Partial(seconds=self.seconds[idx], resident=self.resident[idx], transient=self.transient[idx],
+                        classes=self.classes[idx], picks=self.picks[idx])
+
+    def grow(self, p: Priced, front: np.ndarray, classes: _Classes) -> _Partial:
+        """Every partial plan followed by every candidate of ``front`` (partial-major)."""
+        n, m, g = len(self.seconds), len(front), p.group
+        resident, transient, ids = (np.repeat(x, m, axis=0) for x in (self.resident, self.transient, self.classes))
+        resident[:, g] += np.tile(p.resident[front], n)
+        transient[:, g] = np.maximum(transient[:, g], np.tile(p.transient[front], n))
+        if p.key.endswith(".train"):
+            ids[:, g] = classes.grow(ids[:, g], p.key, np.tile(p.kind[front], n), p.kinds)
+        return _Partial(seconds=(self.seconds[:, None] + p.seconds[front][None, :]).ravel(), resident=resident,
+                        transient=transient, classes=ids,
+                        picks=np.hstack([np.repeat(self.picks, m, axis=0), np.tile(front, n)[:, None]]))
 
 
 def search(
@@ -241,58 +412,37 @@ def search(
     model = model or StepTimeModel.for_profile(profile)
     where = Placement(nproc=cfg.nproc, profile=profile)
     budget = device_budget(cfg, profile)
-    choices: list[PlanChoice] = []
+    found: list[tuple] = []  # (seconds, placement, priced stages, partial plans, row)
     counted, smallest, notes = 0, math.inf, []
     vllm_fixed = cfg.rollout.engine == "vllm"
     for placement in placements:
         if placement == "split" and (cfg.nproc < 2 or vllm_fixed or cfg.controller.stages is not None):
             continue  # vLLM runs on every rank (its external launcher); stages kept as they are keep their ranks
-        groups = placement_groups(cfg, placement)
-        fronts = {}
-        for key, (group, ranks) in groups.items():
-            args = model_args(cfg, key)
-            cands = [_price(cfg, key, sc, work, where, model, group, args) for sc in stage_options(cfg, key, ranks, work)]
+        stages: list[tuple[Priced, np.ndarray]] = []
+        for key, (group, ranks) in placement_groups(cfg, placement).items():
+            cands = stage_candidates(cfg, key, ranks, work)
             counted += len(cands)
-            if not cands:
+            if not len(cands):
                 notes.append(f"{placement}: no layout of {key} fits {len(ranks)} ranks")
                 break
-            fronts[key] = frontier(cands)
+            priced = price(cfg, key, cands, work, where, model, group)
+            stages.append((priced, frontier(priced)))
         else:
-            # (seconds, resident per group, max transient per group, picked, training kinds per
-            # group, their correction (offset, margin) per group)
-            none = fit.terms(rank_class(()))
-            partial: list[tuple] = [(0.0, (0, 0), (0, 0), (), ((), ()), (none, none))]
-            classes: dict = {}  # (kinds of a group, key, kind) -> (its kinds, their correction)
-            for depth, (key, front) in enumerate(fronts.items(), 1):
-                grown = []
-                train = key.endswith(".train")
-                for secs, res, tr, picked, kinds, corr in partial:
-                    for c in front:
-                        g = c.group
-                        r, t = list(res), list(tr)
-                        r[g] += c.resident
-                        t[g] = max(t[g], c.transient)
-                        k, co = kinds, corr
-                        if train:
-                            step = (kinds[g], key, c.kind)
-                            got = classes.get(step)
-                            if got is None:
-                                grown_kinds = (*kinds[g], (key, c.kind))
-                                got = classes[step] = (grown_kinds, fit.terms(rank_class(grown_kinds)))
-                            k = (got[0], kinds[1]) if g == 0 else (kinds[0], got[0])
-                            co = (got[1], corr[1]) if g == 0 else (corr[0], got[1])
-                        grown.append((secs + c.seconds, tuple(r), tuple(t), (*picked, c), k, co))
-                partial, worst = _prune(grown, budget, beam, final=depth == len(fronts))
-                if depth == len(fronts) or not partial:  # complete plans, or the stage where all went over
+            classes = _Classes(fit)
+            partial = _Partial(seconds=np.zeros(1), resident=np.zeros((1, 2), dtype=np.int64), transient=np.zeros((1, 2), dtype=np.int64),
+                               classes=np.zeros((1, 2), dtype=np.int64), picks=np.zeros((1, 0), dtype=np.int64))
+            for depth, (priced, front) in enumerate(stages, 1):
+                grown = partial.grow(priced, front, classes)
+                kept, worst = _prune(grown, classes, budget, beam, final=depth == len(stages))
+                partial = grown.take(kept)
+                if depth == len(stages) or not len(kept):  # complete plans, or the stage where all went over
                     smallest = min(smallest, worst)
-                if not partial:
+                if not len(kept):
                     break
-            for secs, res, tr, picked, kinds, _ in partial:
-                plan = _plan(cfg, picked)
-                peaks = {g: fit.peak(res[g], tr[g], rank_class(kinds[g])) * HEADROOM for g in sorted({c.group for c in picked})}
-                choices.append(PlanChoice(plan=plan, seconds=secs, stage_seconds={c.key: c.seconds for c in picked},
-                                          peak_bytes=peaks, placement=placement))
-    choices.sort(key=lambda c: c.seconds)
+            else:
+                found += [(float(s), placement, stages, partial, i) for i, s in enumerate(partial.seconds.tolist())]
+    found.sort(key=lambda x: x[0])
+    choices = [_choice(cfg, fit, *x) for x in found[:top]]
     ms = (time.perf_counter() - t0) * 1e3
     if not choices:
         if budget is not None and smallest < math.inf:
@@ -302,50 +452,62 @@ def search(
                 f"is {gib(smallest)} GiB with 10% headroom, {gib(smallest - budget)} GiB over"
             )
         raise ConfigError(f"no plan of {cfg.nproc} ranks runs this job: {'; '.join(notes) or 'no layout fits'}")
-    return SearchResult(plans=choices[:top], candidates=counted, milliseconds=ms, budget=budget, smallest_peak=smallest, notes=notes)
+    return SearchResult(plans=choices, candidates=counted, milliseconds=ms, budget=budget, smallest_peak=smallest, notes=notes)
 
 
-def _prune(grown: list, budget: float | None, beam: int, *, final: bool) -> tuple[list, float]:
-    """Drop plans over the budget, then dominated ones; keep the ``beam`` fastest of the
-    rest. Also the smallest peak (with headroom) among ``grown``.
+def _choice(cfg: JobConfig, fit: MemoryFit, seconds: float, placement: str, stages, partial: _Partial, row: int) -> PlanChoice:
+    """Complete plan ``row`` of ``partial`` as a PlanChoice."""
+    picked = [(p, p.candidates.config(int(partial.picks[row, d]))) for d, (p, _) in enumerate(stages)]
+    kinds: dict[int, list] = {}
+    for p, sc in picked:
+        kinds.setdefault(p.group, []).append((p.key, sc))
+    peaks = {g: fit.peak(int(partial.resident[row, g]), int(partial.transient[row, g]), rank_class(kinds[g])) * HEADROOM
+             for g in sorted(kinds)}
+    return PlanChoice(plan=_plan(cfg, [(p.key, sc) for p, sc in picked]), seconds=seconds, peak_bytes=peaks, placement=placement,
+                      stage_seconds={p.key: float(p.seconds[partial.picks[row, d]]) for d, (p, _) in enumerate(stages)})
+
+
+def _prune(grown: _Partial, classes: _Classes, budget: float | None, beam: int, *, final: bool) -> tuple[np.ndarray, float]:
+    """Rows of ``grown`` to keep: drop plans over the budget, then dominated ones; keep the
+    ``beam`` fastest of the rest. Also the smallest peak (with headroom) among ``grown``.
 
     A complete plan (``final``) is judged by its corrected peak (``MemoryFit``) and dominated
     by one no slower, no larger and no more corrected anywhere. A partial plan's correction is
     not known until every training stage has joined its rank classes, so it is judged by its
     uncorrected peak — a lower bound of any completion's, corrections being ≥ 0 — and
     dominated only within its classes so far."""
-    if not grown:
-        return [], math.inf
-    res = np.array([g[1] for g in grown], dtype=np.float64)
-    tr = np.array([g[2] for g in grown], dtype=np.float64)
+    if not len(grown.seconds):
+        return np.zeros(0, dtype=np.int64), math.inf
+    res, tr = grown.resident.astype(np.float64), grown.transient.astype(np.float64)
     if final:
-        corr = np.array([g[5] for g in grown], dtype=np.float64)  # (entries, groups, 2)
-        offset, margin = corr[..., 0], corr[..., 1]
+        offset, margin = classes.corrections(grown.classes)
         peak = ((res + tr) * (1.0 + margin) + offset) * HEADROOM
         mem = np.hstack([res, tr, offset, margin])
     else:
         peak, mem = (res + tr) * HEADROOM, np.hstack([res, tr])
     worst = peak.max(axis=1)
-    ok = worst <= budget if budget is not None else np.ones(len(grown), dtype=bool)
-    idx = np.flatnonzero(ok)
+    idx = np.flatnonzero(worst <= budget) if budget is not None else np.arange(len(worst))
     if not len(idx):
-        return [], float(worst.min())
-    idx = idx[np.argsort([grown[i][0] for i in idx], kind="stable")]
-    classes: dict = {}
-    for i in idx:  # fastest first within each class
-        classes.setdefault(None if final else grown[i][4], []).append(i)
-    kept = []
-    for members in classes.values():
-        members = np.array(members[: 8 * beam])  # dominance is O(n²) in memory: the fastest few
-        kept += [members[j] for j in _undominated(mem[members], beam)]
-    kept.sort(key=lambda i: grown[i][0])
-    return [grown[i] for i in kept[:beam]], float(worst.min())
+        return idx, float(worst.min())
+    idx = idx[np.argsort(grown.seconds[idx], kind="stable")]
+    secs = grown.seconds[idx]
+    # dominated only within its classes so far (one class when final), among the class's
+    # fastest 8·beam (dominance is O(n²) in memory)
+    group = np.zeros(len(idx), dtype=np.int64) if final else grown.classes[idx, 0] * len(classes.kinds) + grown.classes[idx, 1]
+
+    def until(kept):  # the beam fastest kept, and every row as fast as the last of them (ties)
+        return len(idx) if len(kept) < beam else int(np.searchsorted(secs, secs[kept[beam - 1]], side="right"))
+
+    kept = _pareto(mem[idx], group, per_group=beam, cap=8 * beam, until=until)
+    # fastest first; ties by class in the order the classes first appear, then by time
+    classes_seen, first = np.unique(group[: kept[-1] + 1], return_index=True)
+    kept = kept[np.lexsort((kept, first[np.searchsorted(classes_seen, group[kept])], secs[kept]))]
+    return idx[kept[:beam]], float(worst.min())
 
 
-def _plan(cfg: JobConfig, picked: tuple[Candidate, ...]) -> PlanConfig:
-    stages = {c.key: c.config for c in picked}
+def _plan(cfg: JobConfig, picked: list[tuple[str, StageConfig]]) -> PlanConfig:
     plan = cfg.plan
-    for key, sc in stages.items():
+    for key, sc in picked:
         model, stage = key.split(".")
         sub = getattr(plan, model)
         plan = dataclasses.replace(plan, **{model: dataclasses.replace(sub, **{stage: sc})})

@@ -8,21 +8,42 @@ class, each computed from the plan, the workload and the device profile:
 with ``f_k`` (``OP_CLASSES``):
 
 - ``gemm``: matmul FLOPs of the busiest rank (linear layers 2·tokens·params/t, attention
-  4·tokens·S·H·d/t, the head on the last pipeline stage; training ×3) ÷ its FLOP/s;
-- ``ops``: eager ops (kernel launches, CPU dispatch) × the profile's cost of one; ``ops_tp``
-  the same count again when the stage runs TP (DTensor's dispatch costs extra per op);
-- ``comm_tp``: the TP all-reduces of activations (2 per layer forward, 2 more backward;
-  ring: 2(t−1)/t of the bytes plus 2(t−1) latencies) on the TP group's link;
-- ``comm_pp``: activations (and their gradients) between pipeline stages;
-- ``comm_dp``: gradient synchronisation per optimizer step (an all-reduce of the float32
-  gradients; FSDP2: all-gather of the weights in forward and backward plus a reduce-scatter);
-- ``optimizer``: AdamW over the rank's tensors (ops per tensor plus bytes ÷ memory bandwidth);
+  4·tokens·S·H·d/t, the head on the last pipeline stage; training ×3, recompute adds the
+  checkpointed blocks' forward) ÷ its FLOP/s;
+- ``memory``: bytes the eager ops move through memory ÷ its bandwidth: every activation
+  written and read once (``memory.activation_bytes``; backward twice the forward's), and the
+  matmuls' inputs and outputs — under TP a column-parallel projection reads the whole
+  replicated input and a row-parallel one writes a whole partial sum, so 7·h per token and
+  layer is not divided by t (what makes TP slow on small models); generation reads the
+  rank's weights and the KV cache so far at every step;
+- ``ops``: eager ops on plain tensors (kernel launches, CPU dispatch) × the profile's cost of
+  one: the layers' and the head's per micro-batch pass, the gradient norm's per tensor, and
+  AdamW's and zero_grad's per tensor when the parameters are plain; a pipelined call adds the
+  schedule's shape inference (one forward of the stage);
+- ``ops_dtensor``: ops dispatched on DTensors, the same unit cost (DTensor's dispatch is
+  what makes them dearer, calibrated apart): TP's modules (7 per layer, the embedding and
+  the head; ``TP_MODULE_OPS`` each per pass) and, when the parameters are DTensors (TP or
+  FSDP2), AdamW's and zero_grad's ops per tensor;
+- ``comm_latency``: the latencies of every collective call — TP's all-reduces (forward: the
+  embedding, o_proj, down_proj; backward: the inputs of q, k, v, gate, up and the head;
+  vocab-parallel log-probs two more), PP's point-to-point messages, DP's gradient all-reduce,
+  FSDP2's all-gathers (every unit per micro-batch forward, the layers again backward) and
+  reduce-scatters (once per step), the gradient norm's all-reduce: per call its hops (ring:
+  2(n−1), gather or scatter: n−1, point to point: 1) × the link's latency — one class for
+  all, so a layout's collectives are priced by what the job's other layouts measured;
+- ``comm_tp``, ``comm_pp``, ``comm_dp``: the bytes of those collectives ÷ the link's
+  bandwidth (ring all-reduce: 2(t−1)/t of them);
+- ``optimizer``: AdamW's memory traffic (θ, g and both moments read and written);
 - ``decode``: generation's per-token loop (ops of one decode step × new tokens);
 - ``sync``: the weight sync's bytes into a rank of the destination on its link;
 - ``collective``: object collectives over the world (a stage's rows gathered to every rank,
   the step's finiteness check and metrics, reshard's agreement): per call the world's
   latencies plus the gathered bytes (every rank receives every rank's share);
 - ``call``: a fixed cost per invocation of a stage (Python).
+
+Micro-batches and packs come from ``candidates.micro_batching``: with a token budget the
+work scales with the real tokens of the replica (its packs, each as wide as the budget
+allows), attention over each pack's length.
 
 The pipeline enters structurally: the busiest stage runs ``n + pp − 1`` micro-batch slots
 (GPipe and 1F1B alike), so per-micro-batch features are multiplied by that, which is the
@@ -31,7 +52,10 @@ profile's share for the stage's busy ranks, and a rank's matmuls use its threads
 
 θ starts at 1 (the profile's priors) and is calibrated on the job's own measurements
 (``StepTimeModel.calibrate``): non-negative least squares on relative errors, with a weak
-pull toward 1 so classes a job never exercised keep their prior.
+pull toward the one factor that scales every prior to the job (so classes a job never
+exercised are priced at the machine's measured pace, not at its profile's). Every candidate of a
+search is priced at once (``candidate_features``: arrays over ``candidates.Candidates``);
+``stage_features`` is the same computation for one stage config.
 """
 
 from __future__ import annotations
@@ -45,15 +69,20 @@ import numpy as np
 from nereus.reshard.layout import itemsize
 
 from ..config import JobConfig, StageConfig
-from .memory import local_elements
+from .candidates import RECOMPUTE, Candidates, micro_batching, per_unique, stage_layers
+from .memory import activation_bytes, local_elements, logits_bytes
 from .profiles import DeviceProfile
 from .workload import Workload
 
-OP_CLASSES = ("gemm", "ops", "ops_tp", "comm_tp", "comm_pp", "comm_dp", "optimizer", "decode", "sync", "collective", "call")
+OP_CLASSES = ("gemm", "memory", "ops", "ops_dtensor", "comm_latency", "comm_tp", "comm_pp", "comm_dp", "optimizer", "decode", "sync",
+              "collective", "call")
 OPS_PER_LAYER = 32  # aten ops of one decoder layer's forward (norms, projections, RoPE, attention, SwiGLU, residuals)
 OPS_HEAD = 24  # embedding, final norm, head, log-probs or values of one micro-batch
 OPS_SAMPLE = 20  # the generator's sampling and bookkeeping per decode step
+OPS_PER_DOCUMENT = 5  # a packed row's attention in a layer: q, k, v sliced, its SDPA, its share of the concatenation
 OPS_PER_TENSOR = 14  # AdamW (foreach off) per parameter tensor
+CLIP_OPS = 5  # the gradient norm per tensor: cast, square, sum, weight, add
+TP_MODULE_OPS = 3  # DTensor ops of one TP module's pass: the input's from_local, the linear, the output's redistribution
 CALL_SECONDS = 1e-3  # prior of ``call``
 Features = dict[str, float]
 
@@ -77,22 +106,32 @@ def rank_flops(profile: DeviceProfile, dtype: str, busy: int, nproc: int) -> flo
     return peak * min(threads, (profile.cores or 1) / max(busy, 1))
 
 
-def _ring(nbytes: float, ranks: int, link) -> float:
-    """A ring all-reduce of ``nbytes`` over ``ranks``: 2(n−1)/n of the bytes, 2(n−1) hops."""
-    if ranks < 2:
-        return 0.0
-    return 2 * (ranks - 1) / ranks * nbytes / link.bandwidth + 2 * (ranks - 1) * link.latency
+def _ring(nbytes, ranks):
+    """Bytes each rank sends in a ring all-reduce of ``nbytes`` over ``ranks``: 2(n−1)/n of
+    them (elementwise; 0 on one rank)."""
+    return np.where(ranks < 2, 0.0, 2 * (ranks - 1) / ranks * nbytes)
 
 
-def _link(profile: DeviceProfile, ranks, size: int, stride: int):
-    """The link of a stage's first group of ``size`` ranks ``stride`` apart in its rank order
-    (TP: stride 1; PP: tp; DP: tp·pp): intra-node when its first and last rank share a node
-    (ranks fill nodes in order)."""
-    if size < 2:
-        return profile.links["local"]
-    first, last = ranks[0], ranks[(size - 1) * stride]
-    same = first // profile.devices_per_node == last // profile.devices_per_node
-    return profile.links["intra" if same else "inter"]
+def _hops(ranks, per: int):
+    """Latencies of one collective over ``ranks``: ``per``·(n−1) (a ring all-reduce: 2, an
+    all-gather or reduce-scatter: 1), 0 on one rank."""
+    return np.where(ranks < 2, 0, per * (ranks - 1))
+
+
+def _links(profile: DeviceProfile, c: Candidates, nproc: int, size: np.ndarray, stride: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bandwidth, latency) per layout of ``c`` of its first group of ``size`` ranks ``stride``
+    apart in its rank order (TP: stride 1; PP: tp; DP: tp·pp): ``local`` for one rank,
+    ``intra`` when the group's first and last rank share a node (ranks fill nodes in order),
+    else ``inter``."""
+    node = np.zeros(len(c.layouts), dtype=bool)
+    held = [sc.ranks for sc in c.layouts]
+    for ranks in {id(r): r for r in held}.values():  # the search's layouts share one tuple
+        at = np.array([r is ranks for r in held])
+        order = np.asarray(ranks) if ranks is not None else np.arange(nproc)
+        node[at] = order[0] // profile.devices_per_node == order[(size[at] - 1) * stride[at]] // profile.devices_per_node
+    links = [profile.links[k] for k in ("local", "intra", "inter")]
+    which = np.where(size < 2, 0, np.where(node, 1, 2))
+    return np.array([x.bandwidth for x in links])[which], np.array([x.latency for x in links])[which]
 
 
 def _gather(where: Placement, nbytes: float) -> float:
@@ -101,11 +140,45 @@ def _gather(where: Placement, nbytes: float) -> float:
     return 4 * max(where.nproc - 1, 1) * link.latency + nbytes * (where.nproc - 1) / where.nproc / link.bandwidth
 
 
-def _layer_params(spec, tp: int) -> float:
-    """Matmul weights of one layer on one TP rank (elements)."""
+def _gemm_bytes(spec, tp, size: int):
+    """Bytes per token the matmuls of one layer's forward read and write on a TP rank: a
+    column-parallel projection (q, k, v, gate, up) reads the whole replicated input and
+    writes its shard; a row-parallel one (o, down) reads its shard and writes a whole
+    partial sum. 7·h replicated per token, the rest split."""
+    h, q = spec.hidden_size, spec.num_heads * spec.dim_head
+    kv = np.where(spec.num_kv_heads % tp == 0, spec.num_kv_heads // tp, 1) * spec.dim_head
+    return size * (7 * h + (2 * q + 3 * spec.intermediate_size) / tp + 2 * kv)
+
+
+def _head_bytes(spec, tp, compute: str):
+    """Bytes per token of the head's outputs (the logits as held, or a value)."""
+    return spec.vocab_size // tp * logits_bytes(compute, 1.0) if spec.head == "lm" else itemsize(compute)
+
+
+def _layer_params(spec, tp):
+    """Matmul weights of one layer on one TP rank (elements; elementwise over ``tp``)."""
     h, d = spec.hidden_size, spec.dim_head
-    kv = (spec.num_kv_heads // tp if spec.num_kv_heads % tp == 0 else 1) * d
+    kv = np.where(spec.num_kv_heads % tp == 0, spec.num_kv_heads // tp, 1) * d
     return 2 * h * spec.num_heads * d / tp + 2 * h * kv + 3 * h * spec.intermediate_size / tp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Links:
+    """Per candidate: (bandwidth, latency) of its TP, PP and DP groups' links (``_links``)."""
+
+    tp: tuple[np.ndarray, np.ndarray]
+    pp: tuple[np.ndarray, np.ndarray]
+    dp: tuple[np.ndarray, np.ndarray]
+
+    @classmethod
+    def of(cls, c: Candidates, where: Placement) -> _Links:
+        tp, pp, dp = (np.array([getattr(sc, k) for sc in c.layouts], dtype=np.int64) for k in ("tp", "pp", "dp"))
+
+        def group(size, stride):
+            bandwidth, latency = _links(where.profile, c, where.nproc, size, stride)
+            return bandwidth[c.layout], latency[c.layout]
+
+        return cls(tp=group(tp, np.ones_like(tp)), pp=group(pp, tp), dp=group(dp, tp * pp))
 
 
 def stage_features(
@@ -114,86 +187,159 @@ def stage_features(
     """The prior seconds per operation class of model-stage ``key`` under ``sc`` for one step.
     ``mode``: "train", "infer" or "gen" (default from the key; a training stage's own forward,
     e.g. PPO's old log-probs, is ``"infer"``). ``args``: the stage's ModelArgs, if at hand."""
+    f = candidate_features(cfg, key, Candidates.of([sc]), work, where, mode=mode, args=args)
+    return {k: float(v[0]) for k, v in f.items()}
+
+
+def candidate_features(
+    cfg: JobConfig, key: str, c: Candidates, work: Workload, where: Placement, *, mode: str | None = None, args=None
+) -> dict[str, np.ndarray]:
+    """``stage_features`` of every candidate of ``c`` at once: per operation class, an array."""
     from ..stage_args import model_args
 
     args = args or model_args(cfg, key)
-    spec, config, profile = args.spec, sc, where.profile
-    ranks = sc.ranks if sc.ranks is not None else range(where.nproc)
-    c = itemsize(args.compute)
+    spec, profile = args.spec, where.profile
+    busy = {len(sc.ranks) if sc.ranks is not None else where.nproc for sc in c.layouts}
+    if len(busy) > 1:
+        raise ValueError(f"{key}: candidates on rank sets of different sizes {sorted(busy)} (price each set apart)")
+    busy = busy.pop() if busy else where.nproc
+    size = itemsize(args.compute)
     mode = mode or key.split(".")[1]
     train, gen = mode == "train", mode == "gen"
-    busy = len(ranks)
     flops = rank_flops(profile, args.compute, busy, where.nproc)
     dispatch = profile.op_overhead / profile.share(busy)
-    layers = -(-spec.num_layers // config.pp)  # the first pipeline stages hold the extra layer
-    h, hd, t = spec.hidden_size, spec.num_heads * spec.dim_head, config.tp
+    tp, pp, dp = c.tp, c.pp, c.dp
+    layers = -(-spec.num_layers // pp)  # the first pipeline stages hold the extra layer
+    h, hd, t = spec.hidden_size, spec.num_heads * spec.dim_head, tp
     head = 2 * h * (spec.vocab_size / t if spec.head == "lm" else 1)
-    f: Features = dict.fromkeys(OP_CLASSES, 0.0)
-    tp_link, pp_link, dp_link = _link(profile, ranks, sc.tp, 1), _link(profile, ranks, sc.pp, sc.tp), _link(profile, ranks, sc.dp, sc.tp * sc.pp)
+    zero = np.zeros(len(c))
+    f: dict[str, np.ndarray] = {k: zero for k in OP_CLASSES}
+    fabric = (where.nproc, profile.devices_per_node, *((k, x.bandwidth, x.latency) for k, x in sorted(profile.links.items())))
+    links = c.derived(("links", fabric), lambda: _Links.of(c, where))
     if gen:
-        rows = math.ceil(work.batch / config.dp)
-        new = work.response_max
-        # prefill: one forward over the prompts; then ``new`` steps of one token
-        prefill_tokens = rows * work.prompt
-        # step s attends over prompt + s cached tokens: Σ_s (P + s) = new·P + new(new − 1)/2
-        attended = new * work.prompt + new * (new - 1) / 2
-        decode_flops = new * rows * (2 * layers * _layer_params(spec, t) + head) + 4 * rows * attended * hd / t * layers  # head: FLOPs per token
-        f["gemm"] = (2 * prefill_tokens * layers * _layer_params(spec, t) + decode_flops) / flops
-        f["ops"] = (layers * OPS_PER_LAYER + OPS_HEAD) * dispatch
-        f["decode"] = new * (layers * OPS_PER_LAYER + OPS_SAMPLE) * dispatch
-        f["ops_tp"] = (f["ops"] + f["decode"]) if t > 1 else 0.0
-        per_step = 2 * layers * _ring(rows * h * c, t, tp_link) + _ring(rows * spec.vocab_size / t * c, t, tp_link)
-        f["comm_tp"] = _ring(prefill_tokens * h * c, t, tp_link) * 2 * layers + new * per_step
-        f["collective"] = _gather(where, work.batch * work.width * 16)  # tokens, masks, log-probs of every row
-        f["call"] = CALL_SECONDS
-        return f
-    rows = math.ceil((work.minibatch if train else work.batch) / config.dp)
-    n = sc.micro_batches(rows)
-    micro = math.ceil(rows / n)
-    slots = n + config.pp - 1
+        return _gen_features(spec, work, where, c, links, flops=flops, dispatch=dispatch, size=size, busy=busy, f=f)
+    rows = -(-(work.minibatch if train else work.batch) // dp)
+    batching = micro_batching(rows, pp, c.micro_batch_size, c.micro_batch_tokens, work.width, work.row_mean)
+    n, tokens, span = batching.count, batching.tokens, batching.span
+    slots = n + pp - 1
     calls = work.minibatches if train else 1
     passes = 3 if train else 1  # backward: twice the forward's matmuls
-    s = work.width
-    tokens = micro * s
-    mb_flops = tokens * (2 * layers * _layer_params(spec, t) + 4 * s * hd / t * layers + head)
-    f["gemm"] = calls * slots * passes * mb_flops / flops
-    f["ops"] = calls * slots * passes * (layers * OPS_PER_LAYER + OPS_HEAD) * dispatch
-    f["ops_tp"] = f["ops"] if t > 1 else 0.0
-    reduces = (2 * layers + 1) * (2 if train else 1)
-    f["comm_tp"] = calls * slots * reduces * _ring(tokens * h * c, t, tp_link)
-    if config.pp > 1:
-        f["comm_pp"] = calls * slots * (2 if train else 1) * pp_link.seconds(tokens * h * c)
+    lm = spec.head == "lm"
+    # what depends on tp alone, once per layout: a layer's matmul FLOPs per token and attended
+    # token, and the bytes per token its eager ops and matmuls move
+    by_tp = np.array([sc.tp for sc in c.layouts])
+    linear, attention = (2 * _layer_params(spec, by_tp))[c.layout], (4 * hd / by_tp)[c.layout]
+    moved = (2 * activation_bytes(spec, by_tp, args.compute, train=True) + _gemm_bytes(spec, by_tp, size))[c.layout]
+    mb_flops = tokens * (layers * (linear + span * attention) + head)
+    # recompute: backward re-runs the forward of the busiest stage's checkpointed blocks (not the head)
+    ck = per_unique(lambda p, r: stage_layers(spec.num_layers, p, 0, RECOMPUTE[r])[1], pp, c.recompute) if train else np.zeros(len(c), np.int64)
+    f["gemm"] = calls * slots * (passes * mb_flops + tokens * ck * (linear + span * attention)) / flops
+    # the activations every eager op reads and writes (each intermediate written once, read once;
+    # backward twice the forward's), replicated over TP where the block does not split them
+    traffic = tokens * (layers * moved + 2 * _head_bytes(spec, t, args.compute))
+    recomputed = tokens * ck * moved
+    bandwidth = profile.memory_bandwidth * profile.share(busy)
+    f["memory"] = calls * slots * (passes * traffic + recomputed) / bandwidth
+    block = OPS_PER_LAYER + OPS_PER_DOCUMENT * (batching.documents - 1)  # a pack's attention runs row by row
+    forward = layers * block + OPS_HEAD
+    ops = calls * slots * (passes * forward + ck * block) + np.where(pp > 1, calls * forward, 0)  # pp: the schedule's shape inference
+    tp_ops = np.where(t > 1, calls * slots * (passes * (7 * layers + 1 + lm) + 7 * ck) * TP_MODULE_OPS, 0)
+    dtensor = (t > 1) | c.fsdp  # the parameters (and AdamW's state) are DTensors
     if train:
-        local = max(local_elements(spec, t, config.pp, config.dp, sc.dp_shard))
-        full = max(local_elements(spec, t, config.pp))
-        if config.dp > 1 and sc.dp_shard:
-            units = layers + 1
-            gathered = 2 * full * c + full * 4  # weights gathered in forward and backward, gradients reduce-scattered
-            f["comm_dp"] = calls * ((config.dp - 1) / config.dp * gathered / dp_link.bandwidth + 3 * units * (config.dp - 1) * dp_link.latency)
-        elif config.dp > 1:
-            f["comm_dp"] = calls * _ring(full * 4, config.dp, dp_link)
         tensors = (9 + 3 * spec.qkv_bias) * layers + 3  # per layer: 2 norms, q, k, v, o, gate, up, down (+ q/k/v biases)
-        f["optimizer"] = calls * (tensors * OPS_PER_TENSOR * dispatch + local * 4 * 4 / profile.memory_bandwidth / profile.share(busy))
-    if train:  # per optimizer step: the finiteness flags; per step: the metrics
-        f["collective"] = (calls + 1) * _gather(where, 256)
+        step = calls * tensors * (OPS_PER_TENSOR + 1)  # AdamW and zero_grad per parameter
+        ops = ops + calls * tensors * CLIP_OPS + np.where(dtensor, 0, step)  # the norm runs on local tensors
+        tp_ops = tp_ops + np.where(dtensor, step, 0)
+    f["ops"], f["ops_dtensor"] = ops * dispatch, tp_ops * dispatch
+    # TP: all-reduces of [tokens, h] — forward: the embedding, o_proj and down_proj; backward: the
+    # inputs of q, k, v, gate, up and the head; vocab-parallel log-probs add two small ones (max, sum)
+    hidden = 1 + 2 * layers + (5 * layers + lm if train else 0) + 2 * ck
+    reduces = calls * slots * (hidden + 2 * lm)
+    f["comm_tp"] = calls * slots * hidden * _ring(tokens * h * size, t) / links.tp[0]
+    latency = reduces * _hops(t, 2) * links.tp[1]
+    # PP: activations forward, their gradients backward, point to point per micro-batch slot
+    messages = calls * (slots * (2 if train else 1) + 2)  # + the schedule's shape exchange
+    f["comm_pp"] = np.where(pp > 1, calls * slots * (2 if train else 1) * tokens * h * size / links.pp[0], 0.0)
+    latency = latency + np.where(pp > 1, messages * links.pp[1], 0.0)
+    # DP. FSDP2: every unit (layers and the root) all-gathered per micro-batch forward, the
+    # layers again in backward, reduce-scattered once (the last micro-batch syncs)
+    full = c.derived(("full", spec), lambda: c.per_layout(lambda sc: max(local_elements(spec, sc.tp, sc.pp))))
+    bandwidth, dp_latency = links.dp
+    gathers = slots * (2 * layers + 1 if train else layers + 1)
+    scatters = layers + 1 if train else 0
+    gathered = (slots * (2 if train else 1) * full * size + (full * 4 if train else 0)) * (dp - 1) / dp
+    sharded_bytes, sharded_calls = calls * gathered / bandwidth, calls * (gathers + scatters) * _hops(dp, 1)
+    replicated_bytes = calls * _ring(full * 4, dp) / bandwidth if train else zero
+    replicated_calls = calls * _hops(dp, 2) if train else zero
+    f["comm_dp"] = np.where(c.fsdp, sharded_bytes, replicated_bytes)
+    latency = latency + np.where(c.fsdp, sharded_calls, replicated_calls) * dp_latency
+    if train:  # per optimizer step: the gradient norm's all-reduce over the stage, KV-head copies summed over TP
+        world = where.profile.links["intra" if busy <= where.profile.devices_per_node else "inter"]
+        kv_copies = spec.num_kv_heads % t != 0
+        latency = latency + calls * (_hops(busy, 2) * world.latency + np.where(kv_copies, _hops(t, 2) * links.tp[1], 0.0))
+        local = c.elements(spec).max(axis=1)[c.layout]
+        f["optimizer"] = calls * local * 4 * 4 / profile.memory_bandwidth / profile.share(busy)  # AdamW reads and writes θ, g, m, v
+        f["collective"] = zero + (calls + 1) * _gather(where, 256)  # per optimizer step: the finiteness flags; per step: the metrics
     else:  # the results of every row, to every rank
-        f["collective"] = _gather(where, work.batch * work.width * 4)
-    f["call"] = calls * CALL_SECONDS
+        f["collective"] = zero + _gather(where, work.batch * work.width * 4)
+    f["comm_latency"] = latency
+    f["call"] = zero + calls * CALL_SECONDS
+    return f
+
+
+def _gen_features(spec, work: Workload, where: Placement, c: Candidates, links, *, flops: float, dispatch: float, size: int, busy: int,
+                  f) -> dict[str, np.ndarray]:
+    """Generation's features: a prefill over the prompts, then one token per step (the KV cache)."""
+    t, layers = c.tp, -(-spec.num_layers // c.pp)
+    h, hd = spec.hidden_size, spec.num_heads * spec.dim_head
+    head = 2 * h * (spec.vocab_size / t if spec.head == "lm" else 1)
+    rows = -(-work.batch // c.dp)
+    new = work.response_max
+    prefill_tokens = rows * work.prompt
+    # step s attends over prompt + s cached tokens: Σ_s (P + s) = new·P + new(new − 1)/2
+    attended = new * work.prompt + new * (new - 1) / 2
+    decode_flops = new * rows * (2 * layers * _layer_params(spec, t) + head) + 4 * rows * attended * hd / t * layers  # head: FLOPs per token
+    f["gemm"] = (2 * prefill_tokens * layers * _layer_params(spec, t) + decode_flops) / flops
+    # every step reads the rank's weights and the KV cache so far; the prefill's activations
+    kv = np.where(spec.num_kv_heads % t == 0, spec.num_kv_heads // t, 1) * spec.dim_head
+    weights = c.elements(spec).max(axis=1)[c.layout] * itemsize(spec.dtype)
+    cache = rows * attended * 2 * kv * size * layers
+    traffic = 2 * (prefill_tokens + new * rows) * layers * activation_bytes(spec, t, spec.dtype, train=False)
+    f["memory"] = (new * weights + cache + traffic) / (where.profile.memory_bandwidth * where.profile.share(busy))
+    f["ops"] = (layers * OPS_PER_LAYER + OPS_HEAD) * dispatch
+    f["decode"] = new * (layers * OPS_PER_LAYER + OPS_SAMPLE) * dispatch
+    f["ops_dtensor"] = np.where(t > 1, (1 + new) * (7 * layers + 2) * TP_MODULE_OPS * dispatch, 0.0)
+    # per forward (the prefill, then every step): 2 all-reduces per layer and the embedding's, and
+    # the last position's logits gathered over the vocabulary ((t−1)/t of [rows, V] received)
+    bandwidth, latency = links.tp
+    per_step = (2 * layers + 1) * _ring(rows * h * size, t) + _ring(rows * spec.vocab_size * size, t) / 2
+    f["comm_tp"] = ((2 * layers + 1) * _ring(prefill_tokens * h * size, t) + new * per_step) / bandwidth
+    f["comm_latency"] = (1 + new) * ((2 * layers + 1) * _hops(t, 2) + _hops(t, 1)) * latency
+    zero = np.zeros(len(c))
+    f["collective"] = zero + _gather(where, work.batch * work.width * 16)  # tokens, masks, log-probs of every row
+    f["call"] = zero + CALL_SECONDS
     return f
 
 
 def sync_features(cfg: JobConfig, dst_key: str, dst: StageConfig, where: Placement, *, args=None) -> Features:
     """Prior seconds of a weight sync into model-stage ``dst_key``: each destination rank
     receives its local weights (in the destination's dtype) over its slowest link."""
+    f = candidate_sync_features(cfg, dst_key, Candidates.of([dst]), where, args=args)
+    return {k: float(v[0]) for k, v in f.items()}
+
+
+def candidate_sync_features(cfg: JobConfig, dst_key: str, c: Candidates, where: Placement, *, args=None) -> dict[str, np.ndarray]:
+    """``sync_features`` of every candidate of ``c`` at once."""
     from ..stage_args import model_args
 
     args = args or model_args(cfg, dst_key)
-    local = max(local_elements(args.spec, dst.tp, dst.pp, dst.dp, dst.dp_shard))
+    local = c.elements(args.spec).max(axis=1)[c.layout]
     link = where.profile.links["intra" if where.nproc <= where.profile.devices_per_node else "inter"]
-    f = dict.fromkeys(OP_CLASSES, 0.0)
-    f["sync"] = link.seconds(local * itemsize(args.spec.dtype), messages=4 * args.spec.num_layers)
-    f["collective"] = 2 * _gather(where, 256)  # reshard's agreement
-    f["call"] = CALL_SECONDS
+    zero = np.zeros(len(c))
+    f = {k: zero for k in OP_CLASSES}
+    f["sync"] = 4 * args.spec.num_layers * link.latency + local * itemsize(args.spec.dtype) / link.bandwidth
+    f["collective"] = zero + 2 * _gather(where, 256)  # reshard's agreement
+    f["call"] = zero + CALL_SECONDS
     return f
 
 
@@ -218,17 +364,21 @@ class StepTimeModel:
         return sum(self.coef[k] * features.get(k, 0.0) for k in OP_CLASSES)
 
     def calibrate(self, samples: Sequence[tuple[Mapping[str, float], float]], *, prior_weight: float = 1e-3) -> StepTimeModel:
-        """θ ≥ 0 minimising Σ ((f·θ − t) / t)² + prior_weight · n · Σ_k ((θ_k − prior_k) / prior_k)²
-        over the n ``samples`` of (features, measured seconds): the data decide where they
-        reach; a class no sample exercises keeps its prior."""
+        """θ ≥ 0 minimising Σ ((f·θ − t) / t)² + prior_weight · n · Σ_k ((θ_k − s·prior_k) / (s·prior_k))²
+        over the n ``samples`` of (features, measured seconds), where s is the one factor
+        that best scales every prior to the samples (the machine against its profile: a
+        shared CPU, say, is slower at everything): the data decide where they reach; a class
+        no sample exercises takes the machine's factor of its prior, not its bare prior."""
         rows = [(f, t) for f, t in samples if t > 0]
         if not rows:
             return self
         p = np.array([self.prior[k] for k in OP_CLASSES])
         a = np.array([[f.get(k, 0.0) / t for k in OP_CLASSES] for f, t in rows])
+        fit = a @ p  # each sample's prior prediction over its measurement
+        centre = p * (float(fit.sum() / (fit**2).sum()) if (fit > 0).any() else 1.0)  # s = argmin Σ (s·fit − 1)²
         b = np.ones(len(rows))
         reg = math.sqrt(prior_weight * len(rows))
-        a = np.vstack([a, reg * np.diag(1.0 / p)])
+        a = np.vstack([a, reg * np.diag(1.0 / centre)])
         b = np.concatenate([b, reg * np.ones(len(OP_CLASSES))])
         return StepTimeModel(prior=self.prior, coef=dict(zip(OP_CLASSES, nnls(a, b).tolist())))
 

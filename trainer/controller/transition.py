@@ -58,11 +58,19 @@ def changed_stages(old: PlanConfig, new: PlanConfig) -> list[str]:
 
 
 def rebuilt_stages(old: PlanConfig, new: PlanConfig) -> list[str]:
-    """Changed model-stages whose layout changes (anything but the micro-batch size): they are
-    built anew and their state moves; a micro-batch change only retunes the running stage."""
+    """Changed model-stages whose layout changes (anything but ``RETUNED``: the micro-batch
+    size or token budget, activation recompute): they are built anew and their state moves;
+    the others only retune the running stage."""
     a, b = old.stages(), new.stages()
-    same = lambda x, y: x is not None and dataclasses.replace(x, micro_batch_size=None) == dataclasses.replace(y, micro_batch_size=None)  # noqa: E731
-    return [k for k in changed_stages(old, new) if not same(a.get(k), b[k])]
+    return [k for k in changed_stages(old, new) if not (a.get(k) is not None and _layout(a[k]) == _layout(b[k]))]
+
+
+RETUNED = {"micro_batch_size": None, "micro_batch_tokens": None, "recompute": "none"}
+"""Stage-config fields a running stage changes in place (their neutral values)."""
+
+
+def _layout(sc: StageConfig) -> StageConfig:
+    return dataclasses.replace(sc, **RETUNED)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,15 +122,13 @@ class TransitionModel:
         return TransitionModel(link=self.link, rebuild=max(0.0, sum(per_stage) / len(per_stage)))
 
 
-def transition_peak(cfg: JobConfig, old: PlanConfig, new: PlanConfig) -> int:
-    """The largest resident bytes any rank holds while ``old`` moves to ``new`` (before headroom)."""
-    from .memory import plan_memory
+def transition_peak(cfg: JobConfig, old: PlanConfig, new: PlanConfig, *, groups=None) -> int:
+    """The largest resident bytes any rank holds while ``old`` moves to ``new`` (before
+    headroom). ``groups``: ``memory.distinct_ranks(cfg, (old, new))``, if at hand."""
+    from .memory import distinct_ranks
 
     rebuilt = set(rebuilt_stages(old, new))
-    held = plan_memory(cfg, old)
-    coming = plan_memory(cfg, new)
     worst = 0
-    for rank in set(held) | set(coming):
-        total = sum(m.resident for m in held.get(rank, [])) + sum(m.resident for m in coming.get(rank, []) if m.stage in rebuilt)
-        worst = max(worst, total)
+    for (held, coming), _ in groups if groups is not None else distinct_ranks(cfg, (old, new)):
+        worst = max(worst, sum(m.resident for m in held) + sum(m.resident for m in coming if m.stage in rebuilt))
     return worst

@@ -28,11 +28,18 @@ class Workload:
     response_mean: float
     minibatch: int
     epochs: int
+    prompt_mean: float | None = None
+    """Real prompt tokens of a row on average (None: ``prompt``, every prompt as long as the longest)."""
 
     @property
     def width(self) -> int:
         """Tokens per row of the step's batch."""
         return self.prompt + self.response_max
+
+    @property
+    def row_mean(self) -> float:
+        """Real tokens of a row on average (what packing runs: ``candidates.micro_batching``)."""
+        return (self.prompt if self.prompt_mean is None else self.prompt_mean) + self.response_mean
 
     @property
     def minibatches(self) -> int:
@@ -60,14 +67,16 @@ class Workload:
         return replace(self, response_max=int(response_max), response_mean=float(response_mean or response_max))
 
     @classmethod
-    def observed(cls, cfg: JobConfig, lengths: Sequence[tuple[int, float]], *, trend_steps: int = 5, ahead: int = 1) -> Workload:
+    def observed(cls, cfg: JobConfig, lengths: Sequence[tuple[int, float]], *, trend_steps: int = 5, ahead: int = 1,
+                 prompt_mean: float | None = None) -> Workload:
         """The workload ``ahead`` steps on from the ``(response_max, response_mean)`` of the
         steps so far (oldest first): the last one plus ``ahead`` times its mean growth per
         step over the last ``trend_steps``, never below the last, never above
-        ``rollout.max_new_tokens``; before any step, the first step's (``from_config``)."""
-        base = cls.from_config(cfg)
+        ``rollout.max_new_tokens``; before any step, the first step's (``from_config``).
+        ``prompt_mean``: the prompts' mean real tokens seen (None: the longest prompt's)."""
+        base = replace(cls.from_config(cfg), prompt_mean=prompt_mean)
         if not lengths:
-            return cls.from_config(cfg, step=0)
+            return replace(cls.from_config(cfg, step=0), prompt_mean=prompt_mean)
         recent = list(lengths[-(trend_steps + 1):])
         last_max, last_mean = recent[-1]
         growth = max(0.0, (recent[-1][0] - recent[0][0]) / max(len(recent) - 1, 1))

@@ -1,0 +1,193 @@
+"""A model-stage's candidate stage configs as arrays, to be priced all at once (pure).
+
+The search prices thousands of stage configs per model-stage. They are few *layouts*
+(dp, tp, pp, dp_shard, ranks) times the settings that retune a running stage in place
+(``transition.RETUNED``: micro_batch_size, micro_batch_tokens, recompute). ``Candidates``
+holds the distinct layouts once and each candidate as a row of arrays, so the memory and
+step-time models compute what depends on the layout alone (weights per pipeline stage,
+links) once per layout and the rest elementwise; ``config(i)`` rebuilds candidate ``i``'s
+``StageConfig`` (only the chosen ones are ever built).
+
+``micro_batching`` is the one place both models read a replica's micro-batches from:
+
+- ``micro_batch_tokens`` T: the replica's rows, padding removed, packed first-fit
+  decreasing into packs of at most T tokens (``trainer/packing.py``), every pack as wide as
+  the widest. With ``real`` = rows × the mean tokens of a row: ``n = ceil(real / T)`` packs
+  (first-fit decreasing fills all but the last nearly full when rows are short against T)
+  of ``W = min(T, real)`` tokens; attention runs causally within each row of a pack, one
+  SDPA call per row and no mask (``model.document_attention``), a token attending over its
+  row (the mean row). The memory model passes the longest row as the mean: every row full,
+  the worst step of that width;
+- else ``StageConfig.micro_batches(rows)`` micro-batches of ``ceil(rows / n)`` padded rows
+  of the batch's width, each token attending over the width under a bool mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus.reshard.derive import plan_layer_ranges
+
+from ..config import StageConfig
+
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recompute modes, by their index in ``Candidates.recompute``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidates:
+    """A model-stage's candidate stage configs: the distinct layouts, and per candidate (one
+    array entry each) its layout and its retunes."""
+
+    layouts: tuple[StageConfig, ...]
+    """The distinct layouts (micro-batching and recompute at their neutral values)."""
+    layout: np.ndarray
+    """Per candidate: the index of its layout."""
+    micro_batch_size: np.ndarray
+    """Per candidate: rows per micro-batch, 0 for none."""
+    micro_batch_tokens: np.ndarray
+    """Per candidate: the token budget of a pack, 0 for none (no packing)."""
+    recompute: np.ndarray
+    """Per candidate: its index in ``RECOMPUTE``."""
+    _derived: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """What ``derived`` computed once for these candidates (per-layout terms the models share)."""
+
+    @classmethod
+    def of(cls, configs: Sequence[StageConfig]) -> Candidates:
+        """Given stage configs, in their order."""
+        layouts: dict[StageConfig, int] = {}
+        index = [layouts.setdefault(layout_of(sc), len(layouts)) for sc in configs]
+        return cls(
+            layouts=tuple(layouts), layout=np.array(index, dtype=np.int64),
+            micro_batch_size=np.array([sc.micro_batch_size or 0 for sc in configs], dtype=np.int64),
+            micro_batch_tokens=np.array([sc.micro_batch_tokens or 0 for sc in configs], dtype=np.int64),
+            recompute=np.array([RECOMPUTE.index(sc.recompute) for sc in configs], dtype=np.int64),
+        )
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def config(self, i: int) -> StageConfig:
+        mbs, mbt = int(self.micro_batch_size[i]), int(self.micro_batch_tokens[i])
+        return dataclasses.replace(self.layouts[self.layout[i]], micro_batch_size=mbs or None, micro_batch_tokens=mbt or None,
+                                   recompute=RECOMPUTE[self.recompute[i]])
+
+    def configs(self) -> list[StageConfig]:
+        return [self.config(i) for i in range(len(self))]
+
+    def per_layout(self, fn, dtype=np.float64) -> np.ndarray:
+        """``fn(layout)`` of each candidate's layout (computed once per layout)."""
+        return np.array([fn(sc) for sc in self.layouts], dtype=dtype)[self.layout]
+
+    def derived(self, key, fn):
+        """``fn()``, computed once per ``key`` for these candidates (the models' per-layout
+        terms, shared by the features of a stage's modes and its memory)."""
+        if key not in self._derived:
+            self._derived[key] = fn()
+        return self._derived[key]
+
+    def elements(self, spec) -> np.ndarray:
+        """``memory.local_elements`` of every layout, [layouts, its largest pp] (0 past a layout's pp)."""
+        from .memory import local_elements
+
+        def table():
+            held = [local_elements(spec, sc.tp, sc.pp, sc.dp, sc.dp_shard) for sc in self.layouts]
+            out = np.zeros((len(held), max(map(len, held), default=1)), dtype=np.int64)
+            for i, row in enumerate(held):
+                out[i, : len(row)] = row
+            return out
+
+        return self.derived(("elements", spec), table)
+
+    @functools.cached_property
+    def tp(self) -> np.ndarray:
+        return self.per_layout(lambda sc: sc.tp, np.int64)
+
+    @functools.cached_property
+    def pp(self) -> np.ndarray:
+        return self.per_layout(lambda sc: sc.pp, np.int64)
+
+    @functools.cached_property
+    def dp(self) -> np.ndarray:
+        return self.per_layout(lambda sc: sc.dp, np.int64)
+
+    @functools.cached_property
+    def fsdp(self) -> np.ndarray:
+        """FSDP2 in effect: state sharded over dp > 1."""
+        return self.per_layout(lambda sc: sc.dp_shard and sc.dp > 1, bool)
+
+
+def layout_of(sc: StageConfig) -> StageConfig:
+    """``sc`` with what a running stage retunes in place at its neutral values (``transition.RETUNED``)."""
+    from .transition import RETUNED
+
+    return dataclasses.replace(sc, **RETUNED)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Batching:
+    """Per candidate, how a replica's rows run (arrays): ``count`` micro-batches of
+    ``tokens`` tokens each, a token attending over ``span`` tokens, under a [tokens, mask]
+    bool attention mask per micro-batch (0: none), in ``documents`` attention calls per
+    layer (a pack's rows one by one; 1 for padded rows, the whole micro-batch in one)."""
+
+    count: np.ndarray
+    tokens: np.ndarray
+    span: np.ndarray
+    mask: np.ndarray
+    documents: np.ndarray
+
+
+def micro_batching(rows: np.ndarray, pp: np.ndarray, size: np.ndarray, budget: np.ndarray, width: int, row_tokens: float) -> Batching:
+    """A replica of ``rows`` rows, elementwise over candidates of ``micro_batch_size`` ``size``
+    and ``micro_batch_tokens`` ``budget`` (0: none) — the module docstring; ``row_tokens``:
+    the mean real tokens of a row (the memory model passes ``width``: every row full)."""
+    # without a size: the largest divisor of the rows that is at most pp (StageConfig.micro_batches)
+    n = per_unique(_filled, rows, pp).reshape(rows.shape)
+    n = np.where(size > 0, np.maximum(1, rows // np.maximum(size, 1)), n)
+    n = np.where(rows < 1, 1, n)
+    tokens = -(-rows // n) * width
+    wide = np.full(rows.shape, width, dtype=np.int64)
+    one = np.ones(rows.shape, dtype=np.int64)
+    packed = budget > 0
+    if not packed.any():
+        return Batching(count=n, tokens=tokens, span=wide, mask=wide, documents=one)
+    real = rows * float(row_tokens)
+    cap = np.maximum(budget, 1)
+    packs = np.maximum(1, np.ceil(real / cap)).astype(np.int64)
+    return Batching(count=np.where(packed, packs, n), tokens=np.where(packed, np.minimum(cap, real), tokens),
+                    span=np.where(packed, min(float(row_tokens), width), wide), mask=np.where(packed, 0, wide),
+                    documents=np.where(packed, -(-rows // packs), one))
+
+
+@functools.lru_cache(maxsize=4096)
+def _filled(rows: int, pp: int) -> int:
+    return StageConfig(pp=pp).micro_batches(rows)
+
+
+def per_unique(fn, *columns: np.ndarray) -> np.ndarray:
+    """``fn(*row)`` (an integer, or a tuple of them) for each row of the non-negative integer
+    ``columns``, computed once per distinct row: shape (rows,) or (rows, len(tuple))."""
+    columns = [np.asarray(x, dtype=np.int64).ravel() for x in columns]
+    if not len(columns[0]):
+        return np.zeros(0, dtype=np.int64)
+    code = np.zeros(len(columns[0]), dtype=np.int64)
+    for x in columns:  # one mixed-radix integer per row
+        code = code * (int(x.max()) + 1) + x
+    distinct, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    values = np.array([fn(*row) for row in np.stack(columns, axis=1)[first].tolist()], dtype=np.int64)
+    return values[inverse.ravel()]
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_layers(layers: int, pp: int, stage: int, recompute: str) -> tuple[int, int]:
+    """(blocks, checkpointed blocks) of pipeline stage ``stage``: ``full`` all of them,
+    ``selective`` those of an even global index (``model.recompute_layers``)."""
+    r = plan_layer_ranges(layers, pp)[stage]
+    ck = len(r) if recompute == "full" else sum(1 for i in r if i % 2 == 0) if recompute == "selective" else 0
+    return len(r), ck
