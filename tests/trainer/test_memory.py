@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from nereus.trainer.controller.memory import logits_bytes
+from nereus.trainer.controller.memory import HEADROOM, logits_bytes
 from nereus.trainer.memtrace import tensor_peak
 from tests.distributed_harness import run_distributed
 
@@ -66,16 +66,26 @@ def _measure(rank: int, world: int, overrides: list[str]) -> dict:
     return {"measured": measured, "predicted": predicted, "shape": tuple(batch["input_ids"].shape)}
 
 
+# the actor's update under full recompute, the critic's in packs of at most 8 rows' worth of
+# tokens; a small vocabulary and a wide MLP, so that the blocks' activations, not the logits,
+# peak. Measured within 5% of the model either way (the actor's peak varies ~6% between runs):
+# bounded by the model with its 10% headroom. Without the recomputed block's gradient
+# temporaries the model was 27% under the actor's peak.
+RECOMPUTE_AND_PACKS = ["plan.actor.train.recompute=full", "plan.critic.train.micro_batch_tokens=256",
+                       "model.vocab_size=64", "model.num_layers=4", "model.intermediate_size=768"]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_memory_model_bounds_the_measured_peak_of_each_stage(tmp_path, dtype):
-    results = run_distributed(_measure, 2, [*OVERRIDES, f"model.dtype={dtype}", f"run_dir={tmp_path}"], timeout=240)
+@pytest.mark.parametrize("dtype, extra, slack", [("float32", [], 1.0), ("bfloat16", [], 1.0), ("float32", RECOMPUTE_AND_PACKS, HEADROOM)],
+                         ids=["float32", "bfloat16", "recompute-packed"])
+def test_the_memory_model_bounds_the_measured_peak_of_each_stage(tmp_path, dtype, extra, slack):
+    results = run_distributed(_measure, 2, [*OVERRIDES, *extra, f"model.dtype={dtype}", f"run_dir={tmp_path}"], timeout=240)
     b, t, v = 32, 32, 4096
     for rank, r in enumerate(results):
         assert r["shape"] == (b, t)
         for stage in ("ref.infer", "actor.train", "critic.train"):  # TP inference, TP training, FSDP training
             got, want = r["measured"][stage], r["predicted"][stage]
-            assert 0.7 * want <= got <= want, f"rank {rank} {stage}: measured {got / 2**20:.2f} MiB, model {want / 2**20:.2f} MiB"
+            assert 0.7 * want <= got <= slack * want, f"rank {rank} {stage}: measured {got / 2**20:.2f} MiB, model {want / 2**20:.2f} MiB"
         # Vocabulary-parallel: each rank holds its 2,048 columns only; the logits of the whole
         # vocabulary, with their float32 copy and softmax, would be this much alone:
         whole = b * t * v * logits_bytes(dtype, 1.0)

@@ -11,13 +11,17 @@ links) once per layout and the rest elementwise; ``config(i)`` rebuilds candidat
 ``micro_batching`` is the one place both models read a replica's micro-batches from:
 
 - ``micro_batch_tokens`` T: the replica's rows, padding removed, packed first-fit
-  decreasing into packs of at most T tokens (``trainer/packing.py``), every pack as wide as
-  the widest. With ``real`` = rows × the mean tokens of a row: ``n = ceil(real / T)`` packs
-  (first-fit decreasing fills all but the last nearly full when rows are short against T)
-  of ``W = min(T, real)`` tokens; attention runs causally within each row of a pack, one
+  decreasing into packs of at most T tokens (``trainer/packing.py``). With ``real`` = rows
+  × the mean tokens of a row: ``n = ceil(real / T)`` packs (first-fit decreasing fills all
+  but the last nearly full when rows are short against T), at least ``min(pp, rows)`` under
+  a pipeline (``stages._pack``); the largest holds ``min(T, real)`` tokens (memory). Without
+  a pipeline each pack runs at its own length (``real / n`` each on average); a pipeline
+  runs them all at the widest's. Attention runs causally within each row of a pack, one
   SDPA call per row and no mask (``model.document_attention``), a token attending over its
   row (the mean row). The memory model passes the longest row as the mean: every row full,
-  the worst step of that width;
+  the worst step of that width. Left out: FSDP2's count (the largest over the replicas, of
+  balanced replicas about the same) and attention's E[L²]/E[L] span (the mean row is low
+  when lengths vary);
 - else ``StageConfig.micro_batches(rows)`` micro-batches of ``ceil(rows / n)`` padded rows
   of the batch's width, each token attending over the width under a bool mask.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +76,16 @@ class Candidates:
 
     def __len__(self) -> int:
         return len(self.layout)
+
+    def retunes_of(self, sc: StageConfig) -> Candidates:
+        """The candidates of ``sc``'s layout only (what retunes it in place), or none."""
+        keep = layout_of(sc)
+        if keep not in self.layouts:
+            return Candidates(layouts=(), layout=np.zeros(0, np.int64), micro_batch_size=np.zeros(0, np.int64),
+                              micro_batch_tokens=np.zeros(0, np.int64), recompute=np.zeros(0, np.int64))
+        rows = np.flatnonzero(self.layout == self.layouts.index(keep))
+        return Candidates(layouts=(keep,), layout=np.zeros(len(rows), np.int64), micro_batch_size=self.micro_batch_size[rows],
+                          micro_batch_tokens=self.micro_batch_tokens[rows], recompute=self.recompute[rows])
 
     def config(self, i: int) -> StageConfig:
         mbs, mbt = int(self.micro_batch_size[i]), int(self.micro_batch_tokens[i])
@@ -132,12 +147,15 @@ def layout_of(sc: StageConfig) -> StageConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Batching:
     """Per candidate, how a replica's rows run (arrays): ``count`` micro-batches of
-    ``tokens`` tokens each, a token attending over ``span`` tokens, under a [tokens, mask]
-    bool attention mask per micro-batch (0: none), in ``documents`` attention calls per
-    layer (a pack's rows one by one; 1 for padded rows, the whole micro-batch in one)."""
+    ``tokens`` tokens each as the schedule runs them (the step-time model's), the largest
+    of them ``peak`` tokens (the memory model's), a token attending over ``span`` tokens,
+    under a [tokens, mask] bool attention mask per micro-batch (0: none), in ``documents``
+    attention calls per layer (a pack's rows one by one; 1 for padded rows, the whole
+    micro-batch in one)."""
 
     count: np.ndarray
     tokens: np.ndarray
+    peak: np.ndarray
     span: np.ndarray
     mask: np.ndarray
     documents: np.ndarray
@@ -146,7 +164,12 @@ class Batching:
 def micro_batching(rows: np.ndarray, pp: np.ndarray, size: np.ndarray, budget: np.ndarray, width: int, row_tokens: float) -> Batching:
     """A replica of ``rows`` rows, elementwise over candidates of ``micro_batch_size`` ``size``
     and ``micro_batch_tokens`` ``budget`` (0: none) — the module docstring; ``row_tokens``:
-    the mean real tokens of a row (the memory model passes ``width``: every row full)."""
+    the mean real tokens of a row (the memory model passes ``width``: every row full).
+
+    Packs as ``stages._pack`` makes them: as many as the budget needs, and under a pipeline
+    at least ``min(pp, rows)``. Without a pipeline each pack runs at its own length (the
+    packs' tokens sum to the real tokens); a pipeline runs every pack at the widest one's
+    (``Packing.model_inputs``): the budget when the budget set the count, else an even share."""
     # without a size: the largest divisor of the rows that is at most pp (StageConfig.micro_batches)
     n = per_unique(_filled, rows, pp).reshape(rows.shape)
     n = np.where(size > 0, np.maximum(1, rows // np.maximum(size, 1)), n)
@@ -156,11 +179,14 @@ def micro_batching(rows: np.ndarray, pp: np.ndarray, size: np.ndarray, budget: n
     one = np.ones(rows.shape, dtype=np.int64)
     packed = budget > 0
     if not packed.any():
-        return Batching(count=n, tokens=tokens, span=wide, mask=wide, documents=one)
+        return Batching(count=n, tokens=tokens, peak=tokens, span=wide, mask=wide, documents=one)
     real = rows * float(row_tokens)
     cap = np.maximum(budget, 1)
-    packs = np.maximum(1, np.ceil(real / cap)).astype(np.int64)
-    return Batching(count=np.where(packed, packs, n), tokens=np.where(packed, np.minimum(cap, real), tokens),
+    needed = np.maximum(1, np.ceil(real / cap)).astype(np.int64)
+    packs = np.maximum(needed, np.where(pp > 1, np.minimum(pp, np.maximum(rows, 1)), 1))
+    largest = np.minimum(cap, real)
+    run = np.where(pp > 1, np.where(packs > needed, np.minimum(cap, -(-rows // packs) * float(row_tokens)), largest), real / packs)
+    return Batching(count=np.where(packed, packs, n), tokens=np.where(packed, run, tokens), peak=np.where(packed, largest, tokens),
                     span=np.where(packed, min(float(row_tokens), width), wide), mask=np.where(packed, 0, wide),
                     documents=np.where(packed, -(-rows // packs), one))
 
@@ -176,10 +202,14 @@ def per_unique(fn, *columns: np.ndarray) -> np.ndarray:
     columns = [np.asarray(x, dtype=np.int64).ravel() for x in columns]
     if not len(columns[0]):
         return np.zeros(0, dtype=np.int64)
-    code = np.zeros(len(columns[0]), dtype=np.int64)
-    for x in columns:  # one mixed-radix integer per row
-        code = code * (int(x.max()) + 1) + x
-    distinct, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    radices = [int(x.max()) + 1 for x in columns]
+    if math.prod(radices) < 1 << 62:  # one mixed-radix integer per row (faster than rows compared whole)
+        code = np.zeros(len(columns[0]), dtype=np.int64)
+        for x, radix in zip(columns, radices):
+            code = code * radix + x
+    else:
+        code = np.stack(columns, axis=1)
+    _, first, inverse = np.unique(code, axis=0, return_index=True, return_inverse=True)
     values = np.array([fn(*row) for row in np.stack(columns, axis=1)[first].tolist()], dtype=np.int64)
     return values[inverse.ravel()]
 

@@ -20,14 +20,19 @@ model's ``max_seq_len``; the controller passes the coming step's):
   the attention output and its reshaped copy (H·d/t each), k after RoPE and v (K·d/t each,
   one head when t > K), and the MLP's gate, up, silu(gate) and product (I/t each), plus the
   float32 copies a 16-bit RMSNorm keeps; times the layers of the rank's pipeline stage and
-  the micro-batches in flight (1F1B keeps up to pp on the first stage), for a micro-batch of
+  the micro-batches in flight (1F1B keeps up to pp on the first stage; GPipe, which runs
+  when there are fewer micro-batches than stages, all of them on every stage, the last
+  keeping each one's logits for its loss), for a micro-batch of
   the stage's rows (``StageConfig.micro_batches``), with RoPE's cos/sin tables and the
   [T, T] bool attention mask of each micro-batch, and the compute-dtype copy of that mask
   SDPA makes while one attention runs; the last stage adds the final norm;
 - activation recompute (``recompute``: ``full`` every block, ``selective`` the blocks of an
   even index, ``candidates.stage_layers``): a checkpointed block keeps only its input
-  (c·h per token); backward re-runs one block at a time, after the head's logits are freed:
-  the transient adds the larger of the head's terms and one block's activations, not both;
+  (c·h per token); backward re-runs one block at a time, after the head's logits are freed;
+- a block's backward holds its gradient temporaries (``gradient_bytes``: 2h + 2·I/t per
+  token), and a checkpointed block its recomputed activations too: the transient adds the
+  larger of the head's terms and that, not both (measured: without it full recompute
+  peaked 37% over the model, with it within 2%);
 - token budgets (``micro_batch_tokens`` T): a micro-batch is one pack of at most T real
   tokens (``candidates.micro_batching``; at the width ``seq`` every row counts full), its
   rows attending causally one by one (``model.document_attention``): no mask;
@@ -37,11 +42,15 @@ model's ``max_seq_len``; the controller passes the coming step's):
   training the largest unit's unsharded gradient and its float32 reduce-scatter input;
   without FSDP2, training adds the temporary of the largest gradient (autograd computes each
   gradient apart, then adds it into ``.grad``);
-- inference transient: one layer's intermediates (2h + 4·I/t per token), not kept;
+- inference transient: one layer's intermediates (2h + 4·I/t per token), not kept; a
+  training stage that also runs a forward over the step's batch before its update
+  (``forward_too``: the actor's old log-probs off-policy, the critic's values without a
+  ``critic.infer``) peaks at the larger of that forward's and its update's transient;
 - logits (causal LM, last stage): the model's output keeps the vocabulary sharded over TP
   (``trainer/vocab_parallel.py``), ``s·b·V/t`` elements in the compute dtype, plus the
   float32 copy of a bf16 block, the float32 softmax p, and a divided copy at temperature
-  ≠ 1; a value head's output is [b, s] and counts nothing;
+  ≠ 1 (packed: and the copy of the response positions' logits the loss gathers); a value
+  head's output is [b, s] and counts nothing;
 - generation holds its KV cache ``2·layers·kv_local·d·b·s`` in the weights' dtype, plus one
   position's logits over the WHOLE vocabulary (gathered for sampling) with their float32
   softmax;
@@ -171,23 +180,43 @@ def memory_at(
         if spec.head == "lm":
             transient = transient + rows * spec.vocab_size * (size + 4)
         return weights, transient.astype(np.int64)
-    batching = micro_batching(rows, pp, c.micro_batch_size[which], c.micro_batch_tokens[which], seq, seq)
-    n, tokens = batching.count, batching.tokens
-    per_layer = activation_bytes(spec, tp, args.compute, train=train)
-    shared = tokens * (2 * spec.dim_head * size + batching.mask)  # RoPE's cos/sin tables, the bool attention mask (padded rows)
-    if train:
-        kept = (layers - ck) * per_layer + ck * size * spec.hidden_size  # a checkpointed block keeps its input only
-        transient = (tokens * kept + shared) * np.minimum(pp - stage, n) + np.where(last, tokens * final_norm_bytes(spec, args.compute), 0)
-    else:
-        transient = tokens * per_layer + shared
-    transient = transient + size * tokens * batching.mask  # SDPA's compute-dtype copy of the bool mask, while one attention runs
-    transient = transient + weight_workspace(args, tp, weights, train=train, fsdp=c.fsdp[which])
-    head = np.where(last, tokens * (spec.vocab_size // tp) * logits_bytes(args.compute, cfg.rollout.temperature), 0) if spec.head == "lm" else 0
-    transient = transient + head
-    if train:  # backward recomputes one checkpointed block at a time, once the head's logits are freed
-        head = head + np.where(last, tokens * final_norm_bytes(spec, args.compute), 0)
-        transient = transient + np.maximum(0, np.where(ck > 0, tokens * per_layer, 0) - head)
+    head_bytes = logits_bytes(args.compute, cfg.rollout.temperature)
+
+    def transient_of(rows, train: bool):
+        batching = micro_batching(rows, pp, c.micro_batch_size[which], c.micro_batch_tokens[which], seq, seq)
+        n, tokens = batching.count, batching.peak
+        per_layer = activation_bytes(spec, tp, args.compute, train=train)
+        shared = tokens * (2 * spec.dim_head * size + batching.mask)  # RoPE's cos/sin tables, the bool attention mask (padded rows)
+        per_logit = head_bytes + np.where(batching.mask == 0, size, 0)  # a pack's response positions' logits, gathered (a copy)
+        head = np.where(last, tokens * (spec.vocab_size // tp) * per_logit, 0) if spec.head == "lm" else np.zeros(len(which), np.int64)
+        if train:
+            # in flight: 1F1B keeps up to pp - stage micro-batches; GPipe (fewer micro-batches
+            # than stages) runs every forward first, the last stage keeping each one's loss graph
+            flight = np.where(n < pp, n, pp - stage)
+            kept = (layers - ck) * per_layer + ck * size * spec.hidden_size  # a checkpointed block keeps its input only
+            out = (tokens * kept + shared) * flight + np.where(last, tokens * final_norm_bytes(spec, args.compute) * flight, 0)
+            head = head * np.where(n < pp, n, 1)
+        else:
+            out = tokens * per_layer + shared
+        out = out + size * tokens * batching.mask  # SDPA's compute-dtype copy of the bool mask, while one attention runs
+        out = out + weight_workspace(args, tp, weights, train=train, fsdp=c.fsdp[which]) + head
+        if train:  # a block's backward, once the head's logits are freed: its gradient temporaries, and
+            # the block's activations again where it is checkpointed (one block at a time)
+            head = head + np.where(last, tokens * final_norm_bytes(spec, args.compute), 0)
+            block = tokens * (gradient_bytes(spec, tp, args.compute) + np.where(ck > 0, per_layer, 0))
+            out = out + np.maximum(0, block - head)
+        return out
+
+    transient = transient_of(rows, train)
+    if train and forward_too(cfg, key):  # the stage's own forward over the whole batch, before its update
+        transient = np.maximum(transient, transient_of(-(-cfg.batch_size // dp), False))
     return weights * (4 if train else 1), transient.astype(np.int64)
+
+
+def forward_too(cfg: JobConfig, key: str) -> bool:
+    """Whether training stage ``key`` also runs a forward over the step's batch: the actor's
+    old log-probs off-policy, the critic's values without a ``critic.infer``."""
+    return (key == "actor.train" and not cfg.on_policy) or (key == "critic.train" and "critic.infer" not in cfg.plan.stages())
 
 
 def plan_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> dict[int, list[StageMemory]]:
@@ -210,10 +239,8 @@ def distinct_ranks(cfg: JobConfig, plans: tuple, *, seq: int | None = None) -> l
     width = max(len(c) for c in columns)
     table = np.stack([np.pad(c, (0, width - len(c)), constant_values=-1) for c in columns], axis=1)  # [ranks, model-stages]
     held = np.flatnonzero((table >= 0).any(axis=1))
-    code = np.zeros(len(held), dtype=np.int64)
-    for column, (_, m) in zip(table[held].T, mems):  # a rank's pipeline stage of each model-stage, as one integer
-        code = code * (len(m) + 1) + column + 1
-    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    # ranks alike: the same pipeline stage of every model-stage (rows of the table, compared whole)
+    _, first, inverse = np.unique(table[held], axis=0, return_index=True, return_inverse=True)
     out = []
     for i, row in enumerate(table[held[first]].tolist()):
         per_plan = tuple(tuple(m[p] for (j, m), p in zip(mems, row) if j == k and p >= 0) for k in range(len(plans)))
@@ -247,6 +274,13 @@ def activation_bytes(spec, tp: int, compute: str, *, train: bool) -> int:
         return c * (2 * h + 4 * mlp)
     kept = c * (4 * h + 3 * q + 2 * kv + 4 * mlp)
     return kept + (2 * (4 + c) * h if c < 4 else 0)  # a 16-bit RMSNorm keeps x.float() and its cast-back output
+
+
+def gradient_bytes(spec, tp: int, compute: str) -> int:
+    """Bytes per token a block's backward holds beyond what the forward kept: the gradients
+    of its input and residual (h each) and of the MLP's gate and up (I/t each)."""
+    c = itemsize(compute)
+    return c * (2 * spec.hidden_size + 2 * (spec.intermediate_size // tp))
 
 
 def final_norm_bytes(spec, compute: str) -> int:

@@ -35,7 +35,6 @@ import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
 from .admission import Decision, DriftWatch, admit
-from .candidates import RECOMPUTE
 from .memory import HEADROOM, distinct_ranks, gib, plan_memory
 from .profiles import DeviceProfile
 from .search import MemoryFit, PlanChoice, device_budget, plan_seconds, rank_class, search
@@ -159,8 +158,12 @@ class Controller:
         per_rank = plan_memory(cfg, seq=work.width)
         measured = [max(r["peak_bytes"][rank] for r in metrics["stages"].values()) for rank in range(cfg.nproc)]
         predicted, classes = [], []
+        terms: dict[tuple, tuple[int, int, str]] = {}  # ranks holding alike share their terms (1,024 ranks: a few)
         for rank in range(cfg.nproc):
-            resident, transient, cls = _rank_terms(cfg.plan, per_rank.get(rank, []))
+            held = tuple(per_rank.get(rank, []))
+            if held not in terms:
+                terms[held] = _rank_terms(cfg.plan, list(held))
+            resident, transient, cls = terms[held]
             predicted.append(self.memory.peak(resident, transient, cls))
             classes.append(cls)
             # each step starts from a trimmed heap (trainer/observe.py): every step's peak is its own
@@ -205,43 +208,44 @@ class Controller:
         self.watch.reset(signals)
         horizon = max((self.watch.horizon(n) for n in drifted), default=1.0)
         common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
-        # over the budget: activation recompute on the running layouts is a retune (no state moves)
-        retunes = self._retunes(cfg, ahead, ahead, where, budget) if "infeasible" in triggers else []
+        # over the budget: the running layouts' micro-batches, token budgets and recompute retune in place (no state moves)
+        retunes = self._retunes(cfg, ahead) if "infeasible" in triggers else []
         try:
             plans = search(cfg, ahead, self.profile, self.model, fit=self.memory, top=12).plans
-        except ConfigError as e:  # nothing fits the lookahead: recompute for the coming step, or the running plan goes on
-            retunes = retunes or (self._retunes(cfg, work, ahead, where, budget) if "infeasible" in triggers else [])
+        except ConfigError as e:  # nothing fits the lookahead: a retune that fits the coming step, or the running plan goes on
+            retunes = retunes or (self._retunes(cfg, work) if "infeasible" in triggers else [])
             if not retunes:
                 return self._decided(Decision(**common, admitted=False, reason=f"no plan fits: {e}", new_plan=None, new_seconds=None,
                                               gain_seconds=0.0, transition_seconds=None, decision_ms=(time.perf_counter() - t0) * 1e3))
             plans = []
         if retunes:
             searched = {plan_key(c.plan) for c in plans}
-            plans += [r for r in retunes if plan_key(r.plan) not in searched]
+            plans = sorted(plans + [r for r in retunes if plan_key(r.plan) not in searched], key=lambda c: c.seconds)
         best = plans[0]
         if plan_key(best.plan) == plan_key(cfg.plan):
             return self._decided(Decision(**common, admitted=False, reason="the running plan is the best", new_plan=None,
                                           new_seconds=old, gain_seconds=0.0, transition_seconds=None,
                                           decision_ms=(time.perf_counter() - t0) * 1e3))
-        cost = self.transitions.cost(cfg, cfg.plan, best.plan, budget=int(budget) if budget else None)
-        if urgent:  # it must move: the plan cheapest over the lookahead, transition included, not one just left
-            best, cost = self._cheapest(cfg, plans, ahead_steps=ahead_steps, budget=budget, first=(best, cost))
+        price = lambda choice: self.transitions.cost(cfg, cfg.plan, choice.plan, budget=int(budget) if budget else None)  # noqa: E731
+        # urgent: it must move, to the plan cheapest over the lookahead with its transition
+        # included, not one just left while another remains; else the fastest
+        ranked = self._cheapest(plans, ahead_steps=ahead_steps, price=price) if urgent else [(c, None) for c in plans]
+        best, cost = ranked[0]
         moving = None  # the bytes a rank holds while the plan moves (computed when needed)
         if budget is not None:  # while a stage moves, its old and new state are both held
-            moving = self._move_peak(cfg, best.plan)
-            held = moving * HEADROOM
-            if held > budget:
-                for choice in plans[1:]:  # the best plan whose move fits
-                    moving = self._move_peak(cfg, choice.plan)
-                    if moving * HEADROOM <= budget:
-                        best = choice
-                        break
-                else:
-                    return self._decided(Decision(**common, admitted=False, new_plan=config_to_dict(best.plan),
-                                                  new_seconds=best.seconds, gain_seconds=old - best.seconds,
-                                                  transition_seconds=cost.seconds, decision_ms=(time.perf_counter() - t0) * 1e3,
-                                                  reason=f"no better plan's transition fits the budget (old and new state held: {gib(held)} GiB)"))
-                cost = self.transitions.cost(cfg, cfg.plan, best.plan, budget=int(budget))
+            held = None
+            for choice, choice_cost in ranked:  # the first whose move fits
+                moving = self._move_peak(cfg, choice.plan)
+                held = held or moving * HEADROOM
+                if moving * HEADROOM <= budget:
+                    best, cost = choice, choice_cost
+                    break
+            else:
+                return self._decided(Decision(**common, admitted=False, new_plan=config_to_dict(best.plan),
+                                              new_seconds=best.seconds, gain_seconds=old - best.seconds,
+                                              transition_seconds=(cost or price(best)).seconds, decision_ms=(time.perf_counter() - t0) * 1e3,
+                                              reason=f"no better plan's transition fits the budget (old and new state held: {gib(held)} GiB)"))
+        cost = cost or price(best)
         steps_left = max(cfg.steps - self.step, 0)
         ok, reason = admit(
             urgent=urgent, old_seconds=old, new_seconds=best.seconds, transition_seconds=cost.seconds, horizon=horizon,
@@ -257,36 +261,27 @@ class Controller:
                             "peak_bytes": moving if moving is not None else self._move_peak(cfg, best.plan)}
         return self._decided(decision)
 
-    def _cheapest(self, cfg: JobConfig, plans: list, *, ahead_steps: int, budget: float | None, first):
-        """Of ``plans`` (best first), the one with the least predicted seconds over the coming
-        ``ahead_steps`` plus its transition, skipping plans left within the hysteresis window
-        while another remains: a micro-batch retune (free) beats a rebuild that saves less
-        than it costs, and a layout just left for lack of memory is not re-entered at once."""
-        fresh = [c for c in plans if self.step - self.left.get(plan_key(c.plan), -10**9) >= self.settings.hysteresis]
+    def _cheapest(self, plans: list, *, ahead_steps: int, price) -> list:
+        """``plans`` as (choice, transition cost) pairs, least predicted seconds over the coming
+        ``ahead_steps`` plus the transition first, plans left within the hysteresis window last:
+        a micro-batch retune (free) beats a rebuild that saves less than it costs, and a layout
+        just left for lack of memory is not re-entered while another plan remains."""
         scored = []
-        for choice in fresh or plans:
-            cost = first[1] if choice is first[0] else self.transitions.cost(cfg, cfg.plan, choice.plan, budget=int(budget) if budget else None)
-            scored.append((choice.seconds * ahead_steps + cost.seconds, choice, cost))
-        _, best, cost = min(scored, key=lambda x: x[0])
-        return best, cost
+        for choice in plans:
+            cost = price(choice)
+            recent = self.step - self.left.get(plan_key(choice.plan), -10**9) < self.settings.hysteresis
+            scored.append((recent, choice.seconds * ahead_steps + cost.seconds, choice, cost))
+        scored.sort(key=lambda x: x[:2])
+        return [(choice, cost) for _, _, choice, cost in scored]
 
-    def _retunes(self, cfg: JobConfig, fits: Workload, ahead: Workload, where: Placement, budget: float | None) -> list[PlanChoice]:
-        """The running layouts with activation recompute raised on every training stage the
-        controller may change — ``selective``, then ``full`` — that fit ``budget`` at ``fits``,
-        priced at ``ahead``: retunes, which move no state (``transition.RETUNED``)."""
-        stages, movable = cfg.plan.stages(), cfg.controller.stages
-        out = []
-        for mode in RECOMPUTE[1:]:
-            plan = cfg.plan
-            for key, sc in stages.items():
-                if key.endswith(".train") and (movable is None or key in movable) and RECOMPUTE.index(sc.recompute) < RECOMPUTE.index(mode):
-                    model, stage = key.split(".")
-                    plan = dataclasses.replace(plan, **{model: dataclasses.replace(getattr(plan, model), **{stage: dataclasses.replace(sc, recompute=mode)})})
-            peak = self._peak(cfg, plan, fits)
-            if plan != cfg.plan and (budget is None or peak <= budget):
-                seconds = plan_seconds(cfg, plan, ahead, where, self.model)
-                out.append(PlanChoice(plan=plan, seconds=sum(seconds.values()), stage_seconds=seconds, peak_bytes={0: peak}, placement="running"))
-        return out
+    def _retunes(self, cfg: JobConfig, work: Workload) -> list[PlanChoice]:
+        """The best plans that keep the running layouts and retune their micro-batches, token
+        budgets and recompute (``search(retunes_of=)``; ``transition.RETUNED``: no state moves),
+        fitting the budget at ``work``; none when none fits."""
+        try:
+            return search(cfg, work, self.profile, self.model, fit=self.memory, top=12, retunes_of=cfg.plan).plans
+        except ConfigError:
+            return []
 
     def _predict(self, cfg: JobConfig, plan: PlanConfig, work: Workload, where: Placement) -> float:
         return sum(plan_seconds(cfg, plan, work, where, self.model).values())

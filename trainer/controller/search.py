@@ -48,7 +48,7 @@ from nereus.reshard.errors import LayoutError
 from ..config import ConfigError, JobConfig, PlanConfig, StageConfig, longest_row
 from ..stage_args import model_args
 from .candidates import RECOMPUTE, Candidates
-from .memory import GIB, HEADROOM, candidate_memory, gib
+from .memory import GIB, HEADROOM, candidate_memory, forward_too, gib
 from .profiles import DeviceProfile
 from .steptime import Placement, StepTimeModel, candidate_features, candidate_sync_features
 from .workload import Workload
@@ -59,9 +59,11 @@ SYNCED = {"actor.gen": "actor.train", "critic.infer": "critic.train"}  # destina
 
 def layout_kind(sc: StageConfig) -> str:
     """What a training layout adds that the memory model may miss: FSDP2's buffers, TP's and
-    PP's communication buffers (``MemoryFit`` corrects each kind apart)."""
+    PP's communication buffers, recompute's and packing's temporaries (``MemoryFit``
+    corrects each kind apart), e.g. ``fsdp``, ``tp+full``, ``replicated+packed``."""
     kind = ("fsdp" if sc.dp_shard else "") + ("tp" if sc.tp > 1 else "") + ("pp" if sc.pp > 1 else "")
-    return kind or "replicated"
+    extra = ([sc.recompute] if sc.recompute != "none" else []) + (["packed"] if sc.micro_batch_tokens else [])
+    return "+".join([kind or "replicated", *extra])
 
 
 def rank_class(stages) -> str:
@@ -201,7 +203,7 @@ def candidate_seconds(cfg: JobConfig, key: str, c: Candidates, work: Workload, w
     seconds = model.predict(candidate_features(cfg, key, c, work, where, args=args))
     if key in SYNCED:
         seconds = seconds + model.predict(candidate_sync_features(cfg, key, c, where, args=args))
-    if (key == "actor.train" and not cfg.on_policy) or (key == "critic.train" and "critic.infer" not in cfg.plan.stages()):
+    if forward_too(cfg, key):
         seconds = seconds + model.predict(candidate_features(cfg, key, c, work, where, mode="infer", args=args))
     return seconds
 
@@ -231,11 +233,18 @@ def price(cfg: JobConfig, key: str, c: Candidates, work: Workload, where: Placem
     """Every candidate of ``c`` priced by the step-time and memory models at the workload's width."""
     args = model_args(cfg, key)
     resident, transient = candidate_memory(cfg, key, c, seq=work.width, args=args)
-    names = [layout_kind(sc) for sc in c.layouts]
+    knobs = np.stack([c.layout, c.recompute, c.micro_batch_tokens > 0], axis=1)
+    distinct, inverse = np.unique(knobs, axis=0, return_inverse=True)
+    names = [_kind(c.layouts[lay], r, packed) for lay, r, packed in distinct.tolist()]
     kinds = tuple(sorted(set(names)))
     return Priced(key=key, group=group, candidates=c, seconds=candidate_seconds(cfg, key, c, work, where, model, args),
                   resident=resident, transient=transient, kinds=kinds,
-                  kind=np.array([kinds.index(k) for k in names], dtype=np.int64)[c.layout])
+                  kind=np.array([kinds.index(k) for k in names], dtype=np.int64)[inverse.ravel()])
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind(layout: StageConfig, recompute: int, packed: bool) -> str:
+    return layout_kind(dataclasses.replace(layout, recompute=RECOMPUTE[recompute], micro_batch_tokens=1 if packed else None))
 
 
 def frontier(p: Priced) -> np.ndarray:
@@ -244,9 +253,9 @@ def frontier(p: Priced) -> np.ndarray:
     then resident, then transient)."""
     order = np.lexsort((p.transient, p.resident, p.seconds))
     mem = np.stack([p.resident[order], p.transient[order]], axis=1).astype(np.float64)
-    # first within each layout (all at once): a candidate beaten by one of its own layout
-    # is beaten within its kind, so dropping it early changes nothing
-    alive = ~_beaten_in_layout(p.candidates.layout[order], mem)
+    # first within each layout and kind (all at once): a candidate beaten by one of its own
+    # layout and kind is beaten within its kind, so dropping it early changes nothing
+    alive = ~_beaten_in_layout(p.candidates.layout[order] * len(p.kinds) + p.kind[order], mem)
     order, mem = order[alive], mem[alive]
     kept = _pareto(mem, p.kind[order])
     kept = kept[np.lexsort((kept, p.kind[order][kept], p.seconds[order][kept]))]
@@ -258,6 +267,7 @@ def _beaten_in_layout(layout: np.ndarray, mem: np.ndarray) -> np.ndarray:
     in every column of ``mem``. Every layout's rows at once, in a [layouts, n, n] grid."""
     if not len(layout):
         return np.zeros(0, dtype=bool)
+    layout = np.unique(layout, return_inverse=True)[1].ravel()  # dense ids
     by = np.argsort(layout, kind="stable")
     counts = np.bincount(layout)
     rank = np.arange(len(by)) - (np.cumsum(counts) - counts)[layout[by]]
@@ -404,10 +414,12 @@ def search(
     placements: tuple[str, ...] = PLACEMENTS,
     top: int = 5,
     beam: int = 48,
+    retunes_of: PlanConfig | None = None,
 ) -> SearchResult:
     """The ``top`` best plans (module docstring). ``cfg`` gives the job and the model-stages
     to place (its plan's keys; its layouts only for the stages the controller may not move).
-    ``model``: default the profile's priors."""
+    ``model``: default the profile's priors. ``retunes_of``: only the plans that keep this
+    plan's layouts, retuning micro-batches, token budgets and recompute (no state moves)."""
     t0 = time.perf_counter()
     model = model or StepTimeModel.for_profile(profile)
     where = Placement(nproc=cfg.nproc, profile=profile)
@@ -421,6 +433,8 @@ def search(
         stages: list[tuple[Priced, np.ndarray]] = []
         for key, (group, ranks) in placement_groups(cfg, placement).items():
             cands = stage_candidates(cfg, key, ranks, work)
+            if retunes_of is not None:
+                cands = cands.retunes_of(retunes_of.stages()[key])
             counted += len(cands)
             if not len(cands):
                 notes.append(f"{placement}: no layout of {key} fits {len(ranks)} ranks")

@@ -4,14 +4,17 @@ and the controller's urgent path (pure, no processes)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
-from nereus.trainer.config import load_config
+from nereus.trainer.config import StageConfig, load_config
+from nereus.trainer.controller.candidates import layout_of
 from nereus.trainer.controller.memory import (
     HEADROOM,
     activation_bytes,
     final_norm_bytes,
+    gradient_bytes,
     logits_bytes,
     pipeline_memory,
     plan_memory,
@@ -41,11 +44,11 @@ def _train(cfg, **change):
 
 def test_full_recompute_keeps_each_blocks_input_and_one_block():
     """Without recompute backward keeps every block's activations (A bytes per token and
-    block) and, at its start, the head's (H: final norm, logits, softmax); with ``full`` each
-    block keeps its input (c·h) and one block is recomputed at a time once the head's are
-    freed, so the saving is tokens × (L·A + H − L·c·h − A); ``selective`` saves it for half
-    the blocks."""
-    cfg = long_job()
+    block) and, at its start, the head's (H: final norm, logits, softmax), then one block's
+    gradient temporaries G; with ``full`` each block keeps its input (c·h) and one block is
+    recomputed at a time once the head's are freed, so the saving is tokens × (L·A − L·c·h +
+    max(0, G − H) − max(0, G + A − H)); ``selective`` saves it for half the blocks. On-policy: no forward over the whole batch before the update (``forward_too``)."""
+    cfg = long_job(f"grpo.minibatch_size={long_job().batch_size}")
     seq, rows = 405, 8
     spec = model_args(cfg, "actor.train").spec
     per_block = int(activation_bytes(spec, 1, "float32", train=True))
@@ -55,8 +58,10 @@ def test_full_recompute_keeps_each_blocks_input_and_one_block():
                              for r in ("none", "selective", "full"))
     assert none.resident == full.resident == selective.resident
     assert head < per_block
-    assert none.transient - full.transient == tokens * (layers * per_block + head - layers * kept - per_block)
-    assert none.transient - selective.transient == tokens * (layers // 2 * per_block + head - layers // 2 * kept - per_block)
+    grads = gradient_bytes(spec, 1, "float32")  # a block's backward: its gradient temporaries (+ recomputed activations)
+    backward = lambda recomputed: max(0, grads + recomputed - head)  # noqa: E731  (beyond the head's, freed by then)
+    assert none.transient - full.transient == tokens * (layers * per_block - layers * kept + backward(0) - backward(per_block))
+    assert none.transient - selective.transient == tokens * (layers // 2 * per_block - layers // 2 * kept + backward(0) - backward(per_block))
     activations = tokens * layers * per_block
     assert (none.transient - full.transient) / activations > 0.8  # most of what backward keeps
 
@@ -85,7 +90,8 @@ def test_packing_prices_real_tokens_and_its_budget():
     half, whole = (pipeline_memory(cfg, "actor.train", _train(cfg, micro_batch_tokens=k * longest), seq=longest)[0] for k in (8, 16))
     padded = pipeline_memory(cfg, "actor.train", _train(cfg, micro_batch_size=8), seq=longest)[0]
     spec = model_args(cfg, "actor.train").spec
-    per_token = spec.num_layers * int(activation_bytes(spec, 1, "float32", train=True))
+    # what backward keeps, then one block's gradient temporaries (larger than the head's here)
+    per_token = spec.num_layers * int(activation_bytes(spec, 1, "float32", train=True)) + gradient_bytes(spec, 1, "float32")
     assert whole.transient - half.transient == pytest.approx(8 * longest * per_token, rel=0.03)  # + RoPE's tables, the head's
     # 8 full rows either way; a pack's rows attend one by one, without the [405, 405] bool mask
     # of every padded row and SDPA's float32 copy of it
@@ -195,3 +201,59 @@ def test_the_controller_reads_the_mean_real_row_from_the_stages_real_tokens():
     assert controller.prompt_mean == pytest.approx(3.5)
     work = Workload.observed(cfg, controller.lengths, prompt_mean=controller.prompt_mean)
     assert work.row_mean == pytest.approx(103.5) and work.width == 405
+
+
+def test_the_urgent_path_can_always_retune_the_running_layouts_in_place():
+    """Over the budget, the running layouts' own micro-batch retunes are candidates even when
+    other layouts fill the whole search's top plans (its frontier ignores what a move costs):
+    here smaller micro-batches fit, move nothing and beat every rebuild and every recompute."""
+    cfg = load_config("configs/tiny_ppo.yaml", ["controller.enabled=true", "steps=40"])
+    work = Workload.from_config(cfg)
+    running = {key: layout_of(sc) for key, sc in cfg.plan.stages().items()}
+    same = lambda plan: all(layout_of(sc) == running[key] for key, sc in plan.stages().items())  # noqa: E731
+    assert not any(same(c.plan) for c in search(cfg, work, CPU, top=12).plans)  # what the urgent path had to choose from
+    retunes = search(cfg, work, CPU, top=100, retunes_of=cfg.plan).plans
+    assert retunes and all(same(c.plan) for c in retunes)
+    peak = Controller(cfg, CPU)._peak(cfg, cfg.plan, work)
+    smallest = min(max(c.peak_bytes.values()) for c in retunes)
+    tight = dataclasses.replace(cfg, device_memory_gib=(peak + smallest) / 2 / 2**30)
+    controller = Controller(tight, CPU)
+    longest = work.response_max
+    _grown(controller, [(longest, 0.9 * longest)] * 3)
+    decision = controller.decide(tight)
+    assert decision is not None and decision.urgent and decision.admitted, decision
+    new = load_config("configs/tiny_ppo.yaml", ["controller.enabled=true", "steps=40", f"plan={json.dumps(decision.new_plan)}"]).plan
+    assert same(new) and new != cfg.plan and decision.transition_seconds == 0.0
+    assert {sc.recompute for sc in new.stages().values()} == {"none"}  # smaller micro-batches: faster than recomputing
+
+
+def test_a_training_stage_that_runs_its_own_forward_is_held_to_that_forwards_memory(monkeypatch):
+    """Off-policy the actor's update (here over a quarter of the batch) is preceded by its
+    forward over the whole batch (the old log-probs): recompute shrinks the update, not that
+    forward, which then sets the peak — as large as the reference's forward in the same
+    layout (the same shapes)."""
+    import nereus.trainer.controller.memory as memory
+
+    cfg = long_job()
+    cfg = long_job(f"grpo.minibatch_size={cfg.batch_size // 4}", "grpo.kl_coef=0.01", "plan.ref.infer.dp=1")
+    assert not cfg.on_policy
+    full = lambda: pipeline_memory(cfg, "actor.train", _train(cfg, recompute="full"), seq=405)[0].transient  # noqa: E731
+    forward = pipeline_memory(cfg, "ref.infer", cfg.plan.ref.infer, seq=405)[0].transient
+    held = full()
+    monkeypatch.setattr(memory, "forward_too", lambda cfg, key: False)
+    memory._pipeline_memory.cache_clear()
+    update = full()
+    memory._pipeline_memory.cache_clear()
+    assert update < forward <= held
+
+
+def test_gpipe_keeps_every_micro_batch_and_its_logits_on_the_last_stage():
+    """Fewer micro-batches than pipeline stages run under GPipe: every forward before any
+    backward, so the last stage holds each micro-batch's activations and logits at once."""
+    cfg = load_config("configs/tiny_ppo.yaml", ["nproc=4", "model.num_layers=4", "model.vocab_size=4096"])
+    rows = -(-cfg.ppo.minibatch_size // 1)
+    one, two = (pipeline_memory(cfg, "actor.train", StageConfig(dp=1, pp=4, micro_batch_size=rows // n), seq=32)[-1] for n in (4, 2))
+    spec = model_args(cfg, "actor.train").spec
+    logits = rows // 2 * 32 * spec.vocab_size * logits_bytes("float32", cfg.rollout.temperature)
+    assert two.transient >= 2 * logits  # two micro-batches of half the rows each, both held
+    assert two.transient > 1.8 * one.transient  # 1F1B on 4: the last stage holds one of a quarter

@@ -47,7 +47,7 @@ def test_the_controller_switches_before_the_plan_outgrows_the_budget(tmp_path):
         assert move["peak_bytes"] <= budget, f"a rank held {move['peak_bytes'] / 2**20:.0f} MiB while the state moved"
     first = urgent[0]["step"]
     plans = [r["plan"]["actor.train"] for r in rows]
-    assert plans[first - 1] == plans[0] != plans[first], "the step after the decision runs the new plan"
+    assert plans[first - 1] != plans[first], "the step after the decision runs the new plan"
     assert rows[first - 1]["lengths"]["width"] < rows[-1]["lengths"]["width"]  # it switched while the answers grew
     measured = max(max(r["peak_bytes"]) for row in rows for r in row["stages"].values())
     assert measured <= budget, f"a rank measured {measured / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
