@@ -186,7 +186,8 @@ def micro_batching(rows: np.ndarray, pp: np.ndarray, size: np.ndarray, budget: n
     packs = np.maximum(needed, np.where(pp > 1, np.minimum(pp, np.maximum(rows, 1)), 1))
     largest = np.minimum(cap, real)
     run = np.where(pp > 1, np.where(packs > needed, np.minimum(cap, -(-rows // packs) * float(row_tokens)), largest), real / packs)
-    return Batching(count=np.where(packed, packs, n), tokens=np.where(packed, run, tokens), peak=np.where(packed, largest, tokens),
+    return Batching(count=np.where(packed, packs, n), tokens=np.where(packed, run, tokens),
+                    peak=np.where(packed, np.where(pp > 1, run, largest), tokens),  # a pipeline: every pack at the widest's
                     span=np.where(packed, min(float(row_tokens), width), wide), mask=np.where(packed, 0, wide),
                     documents=np.where(packed, -(-rows // packs), one))
 

@@ -195,16 +195,17 @@ def memory_at(
             flight = np.where(n < pp, n, pp - stage)
             kept = (layers - ck) * per_layer + ck * size * spec.hidden_size  # a checkpointed block keeps its input only
             out = (tokens * kept + shared) * flight + np.where(last, tokens * final_norm_bytes(spec, args.compute) * flight, 0)
-            head = head * np.where(n < pp, n, 1)
+            head, one_head = head * np.where(n < pp, n, 1), head
         else:
             out = tokens * per_layer + shared
         out = out + size * tokens * batching.mask  # SDPA's compute-dtype copy of the bool mask, while one attention runs
         out = out + weight_workspace(args, tp, weights, train=train, fsdp=c.fsdp[which]) + head
         if train:  # a block's backward, once the head's logits are freed: its gradient temporaries, and
             # the block's activations again where it is checkpointed (one block at a time)
-            head = head + np.where(last, tokens * final_norm_bytes(spec, args.compute), 0)
+            # (under GPipe the first backward has freed one micro-batch's logits, not all)
+            freed = one_head + np.where(last, tokens * final_norm_bytes(spec, args.compute), 0)
             block = tokens * (gradient_bytes(spec, tp, args.compute) + np.where(ck > 0, per_layer, 0))
-            out = out + np.maximum(0, block - head)
+            out = out + np.maximum(0, block - freed)
         return out
 
     transient = transient_of(rows, train)

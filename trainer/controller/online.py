@@ -234,7 +234,9 @@ class Controller:
         moving = None  # the bytes a rank holds while the plan moves (computed when needed)
         if budget is not None:  # while a stage moves, its old and new state are both held
             held = None
-            for choice, choice_cost in ranked:  # the first whose move fits
+            for choice, choice_cost in ranked:  # the first whose move fits (not the running plan: no better one's does)
+                if plan_key(choice.plan) == plan_key(cfg.plan):
+                    continue
                 moving = self._move_peak(cfg, choice.plan)
                 held = held or moving * HEADROOM
                 if moving * HEADROOM <= budget:
@@ -244,7 +246,7 @@ class Controller:
                 return self._decided(Decision(**common, admitted=False, new_plan=config_to_dict(best.plan),
                                               new_seconds=best.seconds, gain_seconds=old - best.seconds,
                                               transition_seconds=(cost or price(best)).seconds, decision_ms=(time.perf_counter() - t0) * 1e3,
-                                              reason=f"no better plan's transition fits the budget (old and new state held: {gib(held)} GiB)"))
+                                              reason=f"no better plan's transition fits the budget (old and new state held: {gib(held or 0)} GiB)"))
         cost = cost or price(best)
         steps_left = max(cfg.steps - self.step, 0)
         ok, reason = admit(

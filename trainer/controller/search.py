@@ -340,6 +340,17 @@ def placement_groups(cfg: JobConfig, placement: str) -> dict[str, tuple[int, tup
     return {k: ((0, everyone[:half]) if k.endswith(".gen") else (1, everyone[half:])) for k in keys}
 
 
+def running_groups(cfg: JobConfig, plan: PlanConfig) -> dict[str, tuple[int, tuple[int, ...]]] | None:
+    """``placement_groups`` of ``plan`` as it runs: model-stages on the same ranks share a
+    group; None unless its stages run on all ranks or on two disjoint rank sets."""
+    everyone = tuple(range(cfg.nproc))
+    ranks = {key: tuple(sc.ranks) if sc.ranks is not None else everyone for key, sc in plan.stages().items()}
+    sets = list(dict.fromkeys(ranks.values()))
+    if len(sets) > 2 or (len(sets) == 2 and set(sets[0]) & set(sets[1])):
+        return None
+    return {key: (sets.index(r), r) for key, r in ranks.items()}
+
+
 class _Classes:
     """The rank classes of partial plans (``rank_class``) as ids: id 0 holds no training
     layout; ``grow`` adds a training stage's layout kind to a class. Each id's correction
@@ -427,14 +438,22 @@ def search(
     found: list[tuple] = []  # (seconds, placement, priced stages, partial plans, row)
     counted, smallest, notes = 0, math.inf, []
     vllm_fixed = cfg.rollout.engine == "vllm"
-    for placement in placements:
-        if placement == "split" and (cfg.nproc < 2 or vllm_fixed or cfg.controller.stages is not None):
-            continue  # vLLM runs on every rank (its external launcher); stages kept as they are keep their ranks
+    if retunes_of is None:
+        tried = [(p, placement_groups(cfg, p)) for p in placements
+                 # vLLM runs on every rank (its external launcher); stages kept as they are keep their ranks
+                 if not (p == "split" and (cfg.nproc < 2 or vllm_fixed or cfg.controller.stages is not None))]
+    else:  # on the ranks each stage runs on now
+        groups = running_groups(cfg, retunes_of)
+        tried = [("running", groups)] if groups is not None else []
+        if groups is None:
+            notes.append("running: its model-stages' rank sets overlap in part")
+    for placement, groups in tried:
         stages: list[tuple[Priced, np.ndarray]] = []
-        for key, (group, ranks) in placement_groups(cfg, placement).items():
+        for key, (group, ranks) in groups.items():
             cands = stage_candidates(cfg, key, ranks, work)
             if retunes_of is not None:
-                cands = cands.retunes_of(retunes_of.stages()[key])
+                sc = retunes_of.stages()[key]
+                cands = cands.retunes_of(dataclasses.replace(sc, ranks=None if ranks == tuple(range(cfg.nproc)) else ranks))
             counted += len(cands)
             if not len(cands):
                 notes.append(f"{placement}: no layout of {key} fits {len(ranks)} ranks")
@@ -457,6 +476,8 @@ def search(
                 found += [(float(s), placement, stages, partial, i) for i, s in enumerate(partial.seconds.tolist())]
     found.sort(key=lambda x: x[0])
     choices = [_choice(cfg, fit, *x) for x in found[:top]]
+    if retunes_of is not None:  # the stages' ranks as the running plan names them (all ranks: None or named)
+        choices = [dataclasses.replace(c, plan=_with_ranks(c.plan, retunes_of)) for c in choices]
     ms = (time.perf_counter() - t0) * 1e3
     if not choices:
         if budget is not None and smallest < math.inf:
@@ -517,6 +538,15 @@ def _prune(grown: _Partial, classes: _Classes, budget: float | None, beam: int, 
     classes_seen, first = np.unique(group[: kept[-1] + 1], return_index=True)
     kept = kept[np.lexsort((kept, first[np.searchsorted(classes_seen, group[kept])], secs[kept]))]
     return idx[kept[:beam]], float(worst.min())
+
+
+def _with_ranks(plan: PlanConfig, like: PlanConfig) -> PlanConfig:
+    """``plan`` with each stage's ``ranks`` field as ``like`` has it."""
+    for key, sc in like.stages().items():
+        model, stage = key.split(".")
+        part = getattr(plan, model)
+        plan = dataclasses.replace(plan, **{model: dataclasses.replace(part, **{stage: dataclasses.replace(getattr(part, stage), ranks=sc.ranks)})})
+    return plan
 
 
 def _plan(cfg: JobConfig, picked: list[tuple[str, StageConfig]]) -> PlanConfig:

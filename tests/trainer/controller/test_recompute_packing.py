@@ -24,6 +24,7 @@ from nereus.trainer.controller.online import Controller
 from nereus.trainer.controller.profiles import load_profile
 from nereus.trainer.controller.search import search, stage_options, stage_seconds
 from nereus.trainer.controller.steptime import Placement, StepTimeModel, stage_features
+from nereus.trainer.controller.transition import rebuilt_stages
 from nereus.trainer.controller.workload import Workload
 from nereus.trainer.stage_args import model_args
 
@@ -257,3 +258,22 @@ def test_gpipe_keeps_every_micro_batch_and_its_logits_on_the_last_stage():
     logits = rows // 2 * 32 * spec.vocab_size * logits_bytes("float32", cfg.rollout.temperature)
     assert two.transient >= 2 * logits  # two micro-batches of half the rows each, both held
     assert two.transient > 1.8 * one.transient  # 1F1B on 4: the last stage holds one of a quarter
+
+
+@pytest.mark.parametrize("how", ["ranks-named", "split"])
+def test_retunes_keep_the_ranks_each_stage_runs_on(how):
+    """In-place retunes of a plan whose stages name their ranks (all of them, or the two
+    halves of a split placement) keep those ranks and layouts."""
+    cfg = load_config("configs/tiny_ppo.yaml", ["controller.enabled=true"])
+    work = Workload.from_config(cfg)
+    if how == "ranks-named":
+        plan = dataclasses.replace(cfg.plan, actor=dataclasses.replace(cfg.plan.actor, train=dataclasses.replace(cfg.plan.actor.train, ranks=(0, 1, 2, 3))))
+    else:
+        plan = search(cfg, work, CPU, placements=("split",)).best.plan
+        assert len({sc.ranks for sc in plan.stages().values()}) == 2
+    running = {key: layout_of(sc) for key, sc in plan.stages().items()}
+    retunes = search(dataclasses.replace(cfg, plan=plan), work, CPU, top=100, retunes_of=plan).plans
+    assert len(retunes) > 1
+    for choice in retunes:
+        assert {key: layout_of(sc) for key, sc in choice.plan.stages().items()} == running
+        assert not rebuilt_stages(plan, choice.plan)
