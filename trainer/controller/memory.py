@@ -130,9 +130,10 @@ def pipeline_memory(
 ) -> list[StageMemory]:
     """The memory of one rank of each pipeline stage of model-stage ``key`` (every rank of
     a pipeline stage holds as much), before headroom. ``ends``: only the first and the last
-    pipeline stage, which hold the most of both kinds (the first: the embedding, the most
-    layers and micro-batches in flight; the last: the head and the logits). ``args``: unused
-    (the stage's ModelArgs are the config's; results are cached per config)."""
+    pipeline stage (the first: the embedding, the most layers and micro-batches in flight;
+    the last: the head and the logits). ``args``: unused
+    (the stage's ModelArgs are the config's; results are cached per config). The ends bound
+    every stage's resident bytes, and its transient except under ``selective`` recompute."""
     return list(_pipeline_memory(cfg, key, sc, seq, ends))
 
 
@@ -144,14 +145,24 @@ def _pipeline_memory(cfg: JobConfig, key: str, sc: StageConfig, seq: int | None,
 
 
 def candidate_memory(cfg: JobConfig, key: str, c: Candidates, *, seq: int | None = None, args=None) -> tuple[np.ndarray, np.ndarray]:
-    """Per candidate: (resident, transient) bytes, before headroom, each the larger of its
-    first and its last pipeline stage's (``pipeline_memory(ends=True)``, all at once)."""
-    deep = np.flatnonzero(c.pp > 1)  # one pipeline stage: the first is the last
-    which = np.concatenate([np.arange(len(c)), deep])
-    resident, transient = memory_at(cfg, key, c, which, np.concatenate([np.zeros(len(c), dtype=np.int64), c.pp[deep] - 1]), seq=seq, args=args)
+    """Per candidate: (resident, transient) bytes, before headroom, each the largest of its
+    pipeline stages': the first and the last (``pipeline_memory(ends=True)``, which bound
+    the middle ones), and under ``selective`` recompute every stage (a middle stage may hold
+    fewer checkpointed blocks than the first), all at once."""
     n = len(c)
-    resident[deep], transient[deep] = np.maximum(resident[deep], resident[n:]), np.maximum(transient[deep], transient[n:])
-    return resident[:n], transient[:n]
+    every = np.flatnonzero((c.pp > 2) & (c.recompute == RECOMPUTE.index("selective")))
+    which = [np.arange(n), np.flatnonzero(c.pp > 1)]  # one pipeline stage: the first is the last
+    stage = [np.zeros(n, dtype=np.int64), c.pp[which[1]] - 1]
+    if len(every):
+        middle = c.pp[every] - 2  # stages 1 .. pp-2 of each
+        which.append(np.repeat(every, middle))
+        stage.append(np.concatenate([np.arange(1, m + 1) for m in middle.tolist()]))
+    which, stage = np.concatenate(which), np.concatenate(stage)
+    resident, transient = memory_at(cfg, key, c, which, stage, seq=seq, args=args)
+    out_r, out_t = resident[:n].copy(), transient[:n].copy()
+    np.maximum.at(out_r, which[n:], resident[n:])
+    np.maximum.at(out_t, which[n:], transient[n:])
+    return out_r, out_t
 
 
 def memory_at(

@@ -277,3 +277,18 @@ def test_retunes_keep_the_ranks_each_stage_runs_on(how):
     for choice in retunes:
         assert {key: layout_of(sc) for key, sc in choice.plan.stages().items()} == running
         assert not rebuilt_stages(plan, choice.plan)
+
+
+def test_a_middle_pipeline_stage_under_selective_recompute_is_priced_too():
+    """12 layers on 4 stages, every even layer checkpointed: stage 1 (layers 3-5) checkpoints
+    one block of three, stage 0 two, so stage 1 can hold more with one micro-batch fewer in
+    flight; the search's price of a candidate is its largest stage's."""
+    from nereus.trainer.controller.candidates import Candidates
+    from nereus.trainer.controller.memory import candidate_memory
+
+    cfg = load_config("configs/tiny_ppo.yaml", ["nproc=4", "model.num_layers=12", "model.vocab_size=64"])
+    sc = StageConfig(dp=1, pp=4, micro_batch_size=8, recompute="selective")
+    stages = pipeline_memory(cfg, "actor.train", sc, seq=32)
+    assert max(s.transient for s in stages[1:-1]) > max(stages[0].transient, stages[-1].transient)  # the case
+    resident, transient = candidate_memory(cfg, "actor.train", Candidates.of([sc]), seq=32)
+    assert transient[0] == max(s.transient for s in stages) and resident[0] == max(s.resident for s in stages)
