@@ -28,9 +28,15 @@ def train(
     run_dir: Optional[str] = typer.Option(None, help="Where metrics, TensorBoard logs and checkpoints go."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest committed checkpoint in the run dir."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run dir that holds an earlier run's checkpoints (they are deleted)."),
+    nnodes: str = typer.Option("1", "--nnodes", help="Nodes: N or MIN:MAX (elastic: the job runs on any number in the range)."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="Restarts of the workers after one dies; they restore the newest valid state."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT where the nodes' agents meet (several nodes)."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="The job's rendezvous id, the same on every node (several nodes)."),
 ) -> None:
     """Post-train with PPO or GRPO, each model-stage in its own TP/PP/DP layout."""
     from nereus.trainer.config import ConfigError, load_config
+
+    check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)  # before anything in the run dir changes
 
     overrides = list(set_)
     if nproc is not None:
@@ -43,6 +49,8 @@ def train(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     preflight(cfg)
+    from nereus.launch import parse_nnodes, under_torchrun
+
     if resume:
         from nereus.trainer.resume import resumed_plan
 
@@ -51,9 +59,18 @@ def train(
         except ConfigError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
-    else:
-        _fresh_run_dir(cfg.run_dir, overwrite)
-    run_job(cfg, resume)
+        run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+        return
+    # One launch on one node: its run dir is checked here, once, before any worker. Under
+    # torchrun (each worker process runs this, also after every restart) and on several nodes
+    # (each node's launcher runs this, also one joining later) only the workers can tell a
+    # fresh start from a restart: global rank 0 of a fresh start checks it (trainer/staging.py).
+    if under_torchrun() or parse_nnodes(nnodes)[1] > 1:
+        run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                overwrite=overwrite)
+        return
+    _fresh_run_dir(cfg.run_dir, overwrite)
+    run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
 
 
 def preflight(cfg) -> None:
@@ -83,16 +100,32 @@ def preflight(cfg) -> None:
         raise typer.Exit(2) from None
 
 
-def run_job(cfg, resume: bool) -> None:
-    """Run ``cfg``'s workers (this process under torchrun, else local ones); one line of
-    result, or the job's error and exit 1."""
-    from nereus.launch import launch_local, under_torchrun
+def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv_endpoint: str | None = None,
+            rdzv_id: str | None = None, overwrite: bool | None = None) -> None:
+    """Run ``cfg``'s workers (this process under torchrun, else local ones through the
+    elastic agent, restarted up to ``max_restarts`` times); one line of result (this node's
+    ranks'), or the job's error and exit 1. ``overwrite`` not None: the workers check the run
+    dir on a fresh start (``run_worker``)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from nereus.launch import launch_local, own_result, under_torchrun
     from nereus.trainer.loop import run_worker
 
+    check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)
     if under_torchrun():
-        last = run_worker(cfg, resume)
+        last = run_worker(cfg, resume, overwrite)
     else:
-        last = launch_local(run_worker, cfg.nproc, cfg, resume, run_id=f"nereus-train-{uuid.uuid4().hex[:8]}")[0]
+        try:
+            last = own_result(launch_local(run_worker, cfg.nproc, cfg, resume, overwrite,
+                                           run_id=rdzv_id or f"nereus-train-{uuid.uuid4().hex[:8]}", nnodes=nnodes,
+                                           max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint,
+                                           collective_timeout_s=cfg.elastic.collective_timeout_s))
+        except ChildFailedError as e:
+            typer.echo(f"error: workers failed after {max_restarts} restart(s): {e.get_first_failure()[1].message}", err=True)
+            raise typer.Exit(1) from None
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
     if "error" in last:
         typer.echo(f"error: {last['error']}", err=True)
         raise typer.Exit(1)
@@ -100,27 +133,35 @@ def run_job(cfg, resume: bool) -> None:
     typer.echo(f"metrics: {Path(cfg.run_dir) / 'metrics.jsonl'}")
 
 
+def check_launch(nnodes: str, max_restarts: int, rdzv_endpoint: str | None, rdzv_id: str | None = None) -> None:
+    """``--nnodes``, ``--max-restarts``, ``--rdzv-endpoint`` and ``--rdzv-id`` make sense
+    together (exit 2 with one line)."""
+    from nereus.launch import parse_nnodes
+
+    try:
+        _, high = parse_nnodes(nnodes)
+        if max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+        if high > 1 and rdzv_endpoint is None:
+            raise ValueError(f"--nnodes {nnodes}: several nodes need --rdzv-endpoint HOST:PORT (where every node's agent meets)")
+        if high > 1 and not rdzv_id:
+            raise ValueError(f"--nnodes {nnodes}: several nodes need --rdzv-id ID, the same on every node (the nodes of one "
+                             "job meet under it)")
+        if rdzv_id is not None and not rdzv_id.strip():
+            raise ValueError("--rdzv-id must not be empty")
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 def _fresh_run_dir(run_dir: str, overwrite: bool) -> None:
     """A fresh run must not share its run dir with an earlier run's checkpoints: a later
-    ``--resume`` would pick the newest of either. Refuse, or with ``--overwrite`` delete them
-    (under torchrun rank 0 only; the others wait for it in the process group's rendezvous)."""
-    import os
-    import shutil
+    ``--resume`` would pick the newest of either. Refuse (exit 2), or with ``--overwrite``
+    delete them (``trainer/staging.py: fresh_run_dir``). Only a one-node launch's own
+    launcher calls it, once, before any worker starts."""
+    from nereus.trainer.staging import fresh_run_dir
 
-    from nereus.store.checkpoint import CheckpointStore
-
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return
-    steps = CheckpointStore(str(root)).steps()
-    if not steps and not overwrite:
-        return
-    if not overwrite:
-        typer.echo(
-            f"error: run dir {run_dir!r} holds checkpoints of an earlier run (steps {steps}): pass --resume to continue it, "
-            "--overwrite to start over (its checkpoints are deleted), or another --run-dir",
-            err=True,
-        )
+    error = fresh_run_dir(run_dir, overwrite)
+    if error:
+        typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2)
-    if int(os.environ.get("RANK", "0")) == 0:
-        shutil.rmtree(root)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -314,6 +315,22 @@ class LoggingConfig:
     mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns
 
 
+MIN_COLLECTIVE_TIMEOUT_S = 30.0
+"""``elastic.collective_timeout_s``'s floor: it is also the workers' store timeout while they
+start (imports, the round handshake), which takes seconds on a loaded machine."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ElasticConfig:
+    """Restarts after a dead worker (``trainer/staging.py``): the per-step state staged in
+    node memory, and the deadline of every collective."""
+
+    staging: Literal["auto", "always", "never"] = "auto"  # auto: on when the agent may restart the workers (--max-restarts > 0)
+    staging_dir: str | None = None  # a local absolute path; None: /dev/shm/nereus-<run id> (a hash of the run dir's absolute path)
+    staging_keep: int = 2  # staged steps kept (>= 1): the newest may be half-written when a worker dies
+    collective_timeout_s: float = 300.0  # every collective's deadline (>= 30 s, finite); the agent's rendezvous waits longer
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
     seed: int = 0
@@ -338,6 +355,7 @@ class JobConfig:
     device_profile: str = "cpu"  # a shipped profile (cpu, a100, h100, h200, mi250x) or a YAML path: trainer/controller/profiles.py
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     plan: PlanConfig  # or "auto": the controller's search chooses it at load time
 
     @property
@@ -775,6 +793,7 @@ def validate(cfg: JobConfig, *, memory: bool = True) -> None:
     _check_controller(cfg)
     _check_lr_schedules(cfg)
     _check_logging(cfg)
+    _check_elastic(cfg)
     if memory:
         from .controller.memory import check_memory  # the memory model reads the validated plan
         from .controller.workload import Workload
@@ -853,6 +872,21 @@ def _check_logging(cfg: JobConfig) -> None:
     twice = sorted({t for t in log.trackers if log.trackers.count(t) > 1})
     if twice:
         raise ConfigError(f"config key 'logging.trackers' names {twice[0]!r} twice")
+
+
+def _check_elastic(cfg: JobConfig) -> None:
+    e = cfg.elastic
+    if isinstance(e.staging_keep, bool) or not isinstance(e.staging_keep, int) or e.staging_keep < 1:
+        raise ConfigError(f"config key 'elastic.staging_keep' must be an integer >= 1, got {e.staging_keep!r}")
+    t = e.collective_timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < MIN_COLLECTIVE_TIMEOUT_S:
+        raise ConfigError(f"config key 'elastic.collective_timeout_s' must be a finite number of seconds >= "
+                          f"{MIN_COLLECTIVE_TIMEOUT_S:g} (it is also the workers' store timeout at start), got {t!r}")
+    if e.staging_dir is not None and "://" in e.staging_dir:
+        raise ConfigError(f"config key 'elastic.staging_dir' must be a local path (node memory, e.g. under /dev/shm), "
+                          f"not a URL: got {e.staging_dir!r}")
+    if e.staging_dir is not None and not os.path.isabs(e.staging_dir):
+        raise ConfigError(f"config key 'elastic.staging_dir' must be an absolute path, got {e.staging_dir!r}")
 
 
 def _check_values(cfg: JobConfig) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -553,20 +554,43 @@ class Trainer:
             if model == "actor" and self.cfg.tokenizer.path and self.rank == 0:  # the tokenizer the job used
                 files.update({f"hf/actor/{name}": data for name, data in side_files(self.cfg.tokenizer.path).items()
                               if name != "generation_config.json"})
-        self.extra_state["data"] = self.source.state_dict()  # the prompt sampler's position
-        state = {"step": self.step, **self.extra_state, "hf_configs": configs}
+        state = {**self.job_state(), "hf_configs": configs}
         save_checkpoint(self.checkpoint_root(), self.step, emus, buffers, rank=self.rank, state=state, files=files,
                         plan=config_to_dict(self.cfg.plan), keep=KEEP_CHECKPOINTS)  # --resume restarts in this plan
 
-    def restore(self) -> int:
-        """Load the latest committed checkpoint into this rank's layouts; returns its step."""
+    def job_state(self) -> dict:
+        """The JSON-able state a checkpoint or a staged copy carries besides the tensors: the
+        step, the prompt sampler's position, the LR schedules' positions, the controller's,
+        the run's lineage and its plan record (``trainer/staging.py``: advanced here when the
+        plan differs from the one the last record was written in)."""
+        from .staging import advance_plan_record
+
+        self.extra_state["data"] = self.source.state_dict()  # the prompt sampler's position
+        self.extra_state["plan_record"] = advance_plan_record(self.extra_state.get("plan_record"),
+                                                              config_to_dict(self.cfg.plan), self.step)
+        return {"step": self.step, **self.extra_state}
+
+    def stage(self, stager) -> None:
+        """Stage this step's state in node memory (``trainer/staging.py``; every rank calls it)."""
+        from .staging import staged_state
+
+        plan = config_to_dict(self.cfg.plan)
+        buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
+        state = self.job_state()
+        stager.stage(self.step, [e for s in self._trained() for e in s.emus], buffers,
+                     {**state, **staged_state(self.cfg.run_dir, state.get("lineage"))}, plan)
+
+    def restore(self, root: str | None = None) -> int:
+        """Load the latest committed checkpoint under ``root`` (default: the run's durable
+        checkpoints; a staged copy's root) into this rank's layouts; returns its step."""
         from nereus.store.checkpoint import CheckpointStore, load_checkpoint
 
-        if not CheckpointStore(self.checkpoint_root()).steps():
-            raise FileNotFoundError(f"--resume: no committed checkpoint under {self.checkpoint_root()}")
+        root = root or self.checkpoint_root()
+        if not CheckpointStore(root).steps():
+            raise FileNotFoundError(f"--resume: no committed checkpoint under {root}")
         emus = [e for s in self._trained() for e in s.emus]
         buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
-        manifest, _ = load_checkpoint(self.checkpoint_root(), emus, self.rank, buffers)
+        manifest, _ = load_checkpoint(root, emus, self.rank, buffers)
         self.step = manifest.step
         self.restored_state = dict(manifest.state or {})
         self.source.load_state_dict(self.restored_state.get("data", {}))
@@ -577,7 +601,7 @@ class Trainer:
                 raise RuntimeError(f"checkpoint of step {self.step}: {stage.key}'s optimizer restored at update "
                                    f"{schedule.optimizer_step_count(stage.optimizer)}, but it was saved at {saved['optimizer_steps']}")
         if self.rank == 0:  # this job owns the root and is not saving: unfinished saves of its last run go
-            CheckpointStore(self.checkpoint_root()).clean_orphans(older_than=0)
+            CheckpointStore(root).clean_orphans(older_than=0)
         return self.step
 
 
@@ -694,17 +718,21 @@ def worker_device(cfg: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def join_process_group(device: torch.device) -> None:
+def join_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
     """From the environment: gloo on CPU; on CUDA, this process's GPU made current and one
     group with gloo for CPU tensors and NCCL for CUDA tensors (``device_id`` forms the NCCL
     communicator now, on every rank, so that a first point-to-point batch between some ranks
-    does not have to)."""
-    timeout = timedelta(seconds=300)
+    does not have to). ``timeout_s`` (``elastic.collective_timeout_s``) is every collective's
+    deadline: a dead peer fails the survivors' collectives, and the agent restarts them."""
+    from .staging import enter_launch
+
+    timeout = timedelta(seconds=timeout_s)
+    where = enter_launch(timeout)  # under an elastic agent: its store, prefixed by this rendezvous round
     if device.type == "cpu":
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **where)
         return
     torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device, **where)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -713,32 +741,57 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
+def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = None) -> dict:
     """One rank of ``nereus train`` (the process group is initialised from the environment).
 
-    With ``resume`` the state of the latest checkpoint loads into ``cfg``'s plan, whatever the
-    plan it was saved in (``trainer/resume.py`` chooses the plan before the launch). With ``controller.enabled`` rank 0 observes every step and decides
-    before the next; an admitted plan is broadcast and every rank moves to it
-    (``Trainer.apply_plan``) before the step's checkpoint, so a checkpoint always holds the
-    plan it was saved in. Returns the last step's metrics, or ``{"error": message}`` on every
-    rank when the job stopped on a non-finite loss (the last committed checkpoint is left as
-    it was).
+    With ``resume``, and on every restart by the elastic agent, the state comes back from the
+    newest valid source (``trainer/staging.py``: the staged copy of the last completed step
+    on this node, checked, else the latest durable checkpoint) into ``cfg``'s plan, whatever
+    the plan it was saved in (``trainer/resume.py`` chooses the plan before the launch; on a
+    restart the source's own plan is taken where it runs on this world). With
+    ``controller.enabled`` rank 0 observes every step and decides before the next; an
+    admitted plan is broadcast and every rank moves to it (``Trainer.apply_plan``) before the
+    step's checkpoint, so a checkpoint always holds the plan it was saved in. With staging on
+    (``elastic.staging``) each completed step's state is staged, overlapped with the next
+    step, and the run's staged copies are removed when it finishes. On every start the plan
+    is one for the world there is (``trainer/resume.py: plan_for_start``). ``overwrite`` not
+    None: the launcher left the run dir to the workers (under torchrun, several nodes); a
+    fresh start's rank 0 refuses an earlier run's checkpoints, or deletes them with
+    ``overwrite`` — never a restart. Returns the last step's metrics, or ``{"error":
+    message}`` on every rank when the job stopped on a non-finite loss (the last committed
+    checkpoint is left as it was), the run dir was refused, or no source could be restored.
     """
+    from .staging import Stager, agree_start, finish_staging, staging_mode
+    from .trackers import flush_trackers
+
+    times = {"entry": time.time()}  # when this attempt's worker started, for tools/bench_elastic.py's recovery split
     device = worker_device(cfg)
-    join_process_group(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
+    join_process_group(device, cfg.elastic.collective_timeout_s)
+    times["joined"] = time.time()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or cfg.nproc  # this node's workers share its cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     torch.manual_seed(cfg.seed)
     try:
-        trainer = Trainer(cfg, device)
-        try:
-            first = trainer.restore() if resume else 0
-        except (FileNotFoundError, ConfigError) as e:  # every rank sees the same store
-            return {"error": str(e)}
+        start = agree_start(cfg, resume, overwrite)  # fresh: no earlier run's staged copy comes back
+        if start["error"]:
+            return {"error": start["error"]}
+        started = _start(cfg, resume, start, device, times)
+        if "error" in started:
+            return started
+        trainer, first, record = started["trainer"], started["first"], started["record"]
+        cfg = trainer.cfg
         rank0 = trainer.rank == 0
         log = MetricsLog(cfg.run_dir, total=cfg.steps, first_step=first, settings=cfg.logging, config=config_to_dict(cfg)) if rank0 else None
         if rank0:  # the resolved config (``nereus report`` reads the budget from it)
             with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
                 json.dump(config_to_dict(cfg), f, indent=1)
+        staging, why_off = staging_mode(cfg)
+        if why_off and rank0:
+            print(f"nereus: {why_off}", file=sys.stderr, flush=True)
+        stager = Stager(cfg, trainer.rank, [e for s in trainer._trained() for e in s.emus]) if staging else None
+        if stager is not None and not stager.enabled:
+            stager.close()
+            stager = None
         control = JobControl(trainer, first) if cfg.controller.enabled else None
         last: dict = {}
         validate_every = cfg.validation.every
@@ -752,26 +805,104 @@ def run_worker(cfg: JobConfig, resume: bool = False) -> dict:
                 metrics = gather_rank_figures(trainer.run_step())
                 if validate_every and (trainer.step % validate_every == 0 or trainer.step == cfg.steps):
                     metrics.update(trainer.validate())
+                if stager is not None and stager.figures():  # the previous step's staging, whose write overlapped this step
+                    metrics["staging"] = stager.figures()
                 if log:
                     log.write(metrics)
                 last = metrics
+                if record is not None and rank0:  # the first step after a restore completed
+                    from .staging import log_restore
+
+                    log_restore(cfg.run_dir, {**record, **times, "first_step_done": time.time()})
+                record = None
                 if control is not None:  # the last step is observed too, and decides nothing
                     control.after_step(metrics, decide=trainer.step < cfg.steps)
                 every = cfg.checkpoint_every
-                if (every and trainer.step % every == 0) or trainer.step == cfg.steps:
+                durable = (every and trainer.step % every == 0) or trainer.step == cfg.steps
+                staged = stager is not None and trainer.step < cfg.steps  # the last step's state is the final checkpoint
+                if log and (durable or staged):  # the trackers hold this step before a state of it commits
+                    flush_trackers(log.trackers)
+                if durable:
                     trainer.save()
+                if staged:
+                    trainer.stage(stager)
             finished = True
         except FloatingPointError as e:
             return {"error": f"{e}; stopped, the last committed checkpoint is unchanged"}
         except RewardError as e:  # raised on every rank together (sources.DatasetSource.rewards)
             return {"error": f"{e}; stopped, the last committed checkpoint is unchanged"}
         finally:
+            if stager is not None:
+                stager.close()
             trainer.source.close()
             if log:
                 log.close(failed=not finished)
+        if staging and finished:  # the final checkpoint holds the last step: the node's memory is given back
+            finish_staging(cfg)
         return last
     finally:
         dist.destroy_process_group()
+
+
+def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, times: dict) -> dict:
+    """The job's trainer at its first step: built fresh, or restored from the newest valid
+    source (collective), in a plan for the world there is. ``start``: ``agree_start``'s
+    decision. ``{"trainer", "first", "record"}`` (``record``: how it was restored, None when
+    fresh), or ``{"error": message}`` on every rank."""
+    from .resume import plan_for_start
+    from .staging import (DURABLE_REFUSED, agree_sources, launch_round, new_lineage, publish_lineage, restart_count,
+                          restore_newest, staging_mode)
+
+    durable = os.path.join(cfg.run_dir, "checkpoints")
+    restoring, restart = start["restoring"], start["restart"]
+    sources, reasons = (agree_sources(cfg, durable, lineage=start["lineage"], staging_off=staging_mode(cfg)[1])
+                        if restoring else ([], []))
+    if resume and not sources:  # every rank derives the same list
+        return {"error": f"--resume: no committed checkpoint under {durable}" + (f" ({'; '.join(reasons)})" if reasons else "")}
+    if restoring and not sources and any(r.startswith(DURABLE_REFUSED) for r in reasons):  # never silently from step 0
+        return {"error": "no committed state could be restored: " + "; ".join(reasons)}
+    world = dist.get_world_size()
+    decided: list = [None]
+    if dist.get_rank() == 0:  # one rank plans (the controller's search), every rank takes its answer
+        try:
+            decided[0] = plan_for_start(cfg, sources[0].plan if (restart and sources) else None, world)
+        except Exception as e:  # noqa: BLE001 - told to every rank below, never a rank left waiting
+            decided[0] = f"no plan for the {world} ranks there are now: {e if isinstance(e, ConfigError) else f'{type(e).__name__}: {e}'}"
+    dist.broadcast_object_list(decided, src=0)
+    if isinstance(decided[0], str):
+        return {"error": decided[0] if not restart else f"restart {restart_count()}: {decided[0]}"}
+    cfg, how = decided[0]
+    times["planned"] = time.time()
+    try:
+        trainer = Trainer(cfg, device)
+    except (FileNotFoundError, ConfigError) as e:  # every rank sees the same store
+        return {"error": str(e)}
+    times["built"] = time.time()
+    attempt = {"attempt": restart_count(), "round": launch_round(), "plan": how}
+    if not sources:
+        trainer.extra_state["lineage"] = start["lineage"] or _agreed(new_lineage())
+        if trainer.rank == 0:
+            publish_lineage(trainer.extra_state["lineage"])
+        return {"trainer": trainer, "first": 0, "record": {"source": "none", "step": 0, "refused": reasons, "restore_s": 0.0,
+                                                            **attempt} if restoring else None}
+    try:
+        first, record = restore_newest(trainer, sources, reasons)
+    except RuntimeError as e:  # every rank: nothing loads; the job stops (an agent restart would meet the same)
+        return {"error": str(e)}
+    restored = trainer.restored_state
+    trainer.extra_state["lineage"] = restored.get("lineage") or start["lineage"] or _agreed(new_lineage())
+    trainer.extra_state["plan_record"] = restored.get("plan_record")  # advanced at the next record if the plan moved
+    if trainer.rank == 0:
+        publish_lineage(trainer.extra_state["lineage"])
+    times["restored"] = time.time()
+    return {"trainer": trainer, "first": first, "record": {**record, **attempt}}
+
+
+def _agreed(value):
+    """Rank 0's ``value`` on every rank (one object broadcast)."""
+    out = [value]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
 
 
 class JobControl:

@@ -79,3 +79,39 @@ def resume_config(run_dir: str, *, nproc: int | None = None, overrides: Sequence
     if runs_on(_build(PlanConfig, saved, "plan."), n):
         return load_config(data, over), f"the checkpoint's plan (it runs on {n} ranks)"
     return load_config({**data, "plan": "auto"}, over), f"planned for {n} ranks by the controller (the checkpoint's plan needs another world)"
+
+
+def plan_for_start(cfg: JobConfig, saved: Mapping | None, world: int) -> tuple[JobConfig, str]:
+    """The config a worker starts in, on every start of a launch (no process group; rank 0
+    calls it and broadcasts): on a restart (``saved``: the restored state's plan, a
+    controller may have moved it since the launch; also under ``--resume``)
+    ``plan_for_world``; on the launch's first start the launch's plan where it runs on the
+    ``world`` ranks there are (``nproc`` per node × nodes under an elastic launch), else
+    ``plan_for_world`` without a saved plan."""
+    if saved:
+        return plan_for_world(cfg, saved, world)
+    if cfg.nproc == world and runs_on(cfg.plan, world):
+        return cfg, "the launch's plan"
+    return plan_for_world(cfg, None, world)
+
+
+def plan_for_world(cfg: JobConfig, saved: Mapping | None, world: int) -> tuple[JobConfig, str]:
+    """The config a worker runs in on ``world`` ranks (no process group): the plan its
+    restored state was saved in (``saved``; a controller may have moved it since the launch)
+    where it runs on ``world`` ranks, else ``cfg``'s own where that does, else the plan the
+    controller's search chooses for ``world`` ranks (the world changed size)."""
+    cfg = cfg if cfg.nproc == world else replace(cfg, nproc=world)
+    if saved:
+        plan = _build(PlanConfig, saved, "plan.")
+        if plan == cfg.plan:
+            return cfg, "the restored state's plan"
+        if runs_on(plan, world):
+            resumed = replace(cfg, plan=plan)
+            validate(resumed)
+            return resumed, "the restored state's plan"
+    if runs_on(cfg.plan, world):
+        validate(cfg)
+        return cfg, "the launch's plan"
+    from .config import config_to_dict
+
+    return load_config({**config_to_dict(cfg), "plan": "auto"}), f"planned for {world} ranks by the controller"

@@ -46,6 +46,16 @@ class Tracker(Protocol):
         """``failed``: the run stopped on an error."""
 
 
+def flush_trackers(trackers) -> None:
+    """Everything the trackers were given, written out (those with a ``flush``: TensorBoard):
+    the step loop calls it before a checkpoint or staged copy of the step commits, so a
+    worker killed after the commit loses no step a restore will not run again."""
+    for tracker in trackers:
+        flush = getattr(tracker, "flush", None)
+        if flush is not None:
+            flush()
+
+
 def missing_trackers(trackers) -> list[str]:
     """The trackers whose package is not importable here (without importing it)."""
     out = []
@@ -207,6 +217,10 @@ class TensorBoard:
     def log(self, step: int, values: dict[str, float], record: dict[str, Any]) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        """The logged scalars on disk now (SummaryWriter otherwise flushes every 120 s)."""
+        self.writer.flush()
 
     def close(self, *, failed: bool = False) -> None:
         self.writer.close()

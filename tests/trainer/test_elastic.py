@@ -1,0 +1,537 @@
+"""Elastic runs: a worker SIGKILLed mid-run is restarted by the agent and the job completes from
+the staged copy of its last completed step, each step logged once; a corrupted staged copy is
+refused (reason logged) and the durable checkpoint used; a kill during staging leaves the
+previous staged step valid. Plus the pure checks of a staged copy."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from nereus.launch import own_result, parse_nnodes, rendezvous_timeout
+from nereus.trainer.config import ConfigError, load_config
+from nereus.trainer.staging import check_staged, choose_sources, plan_digest
+from tests.distributed_harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_GRPO = os.path.join(ROOT, "configs", "tiny_grpo.yaml")
+SMALL = ["rollout.prompts_per_step=8", "grpo.minibatch_size=32", "logging.trackers=[]"]
+TWO = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.actor.gen.tp=2", "plan.ref.infer.dp=1", "plan.ref.infer.tp=2"]
+ONE = ["nproc=1", "plan.actor.train.dp=1", "plan.actor.train.dp_shard=false", "plan.actor.gen.dp=1", "plan.actor.gen.tp=1",
+       "plan.ref.infer.dp=1", "plan.ref.infer.tp=1"]
+KEYS = ("actor/loss", "reward_mean", "kl", "actor/grad_norm", "response_length")
+
+
+@pytest.fixture
+def shm_dir():
+    """A staging dir of this test's own under /dev/shm, removed afterwards."""
+    path = f"/dev/shm/nereus-test-{uuid.uuid4().hex[:10]}"
+    yield path
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line being written
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie its parent has yet to reap)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def retire_newest(root: str, at_least: int) -> None:
+    """Delete ``root``'s newest committed checkpoint when its step is >= ``at_least`` (manifest
+    first, then data: what retention does to the oldest)."""
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.store.records import checkpoint_key
+
+    store = CheckpointStore(root)
+    steps = store.steps()
+    if steps and steps[-1] >= at_least:
+        entry = store.meta.get(checkpoint_key(steps[-1]))
+        store.meta.put(entry.key, None, expect=entry.generation)
+        store.remove_data(entry.value["data"])
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The agent's worker processes among ``parent``'s children (multiprocessing spawn
+    children; not its resource tracker), in start order: local rank order."""
+    children = []
+    for task in os.listdir(f"/proc/{parent}/task"):
+        try:
+            children += map(int, open(f"/proc/{parent}/task/{task}/children").read().split())
+        except OSError:
+            pass
+    workers = []
+    for pid in sorted(set(children)):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            workers.append(pid)
+    return workers
+
+
+# ------------------------------------------------------------------ multi-process
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_worker_is_restarted_from_the_staged_step_and_each_step_is_logged_once(tmp_path, shm_dir):
+    run_dir = tmp_path / "run"
+    sets = [*SMALL, *TWO, "steps=8", "checkpoint_every=100", f"elastic.staging_dir={shm_dir}", "elastic.collective_timeout_s=60"]
+    cmd = [sys.executable, "-c", "from nereus.cli.app import main; main()", "train", TINY_GRPO, "--run-dir", str(run_dir),
+           "--max-restarts", "2", *[a for s in sets for a in ("--set", s)]]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    dead, killed_at = [], None
+    try:
+        deadline = time.monotonic() + 180
+        while job.poll() is None and time.monotonic() < deadline:
+            lines = read_metrics(run_dir)
+            staged = lines[-1].get("staging", {}) if lines else {}
+            if staged.get("write_s") is not None and staged["step"] >= 4:  # step 4 or later is committed in /dev/shm
+                killed_at = lines[-1]["step"]
+                assert killed_at <= 6, f"watched too late: step {killed_at} of 8"  # two steps or more still to run
+                pids = worker_pids(job.pid)
+                assert len(pids) == 2, f"workers of the job: {pids}"
+                os.kill(pids[-1], signal.SIGKILL)  # one worker, not the one that writes the metrics
+                while any(alive(p) for p in pids) and time.monotonic() < deadline:  # the agent stops the other one
+                    time.sleep(0.005)
+                dead = read_metrics(run_dir)  # the dead attempt's records, before the restarted one cuts them
+                retire_newest(shm_dir, dead[-1]["step"])  # the restore then re-runs at least one step the dead attempt logged
+                break
+            time.sleep(0.02)
+        out, _ = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)  # the agent and its workers
+    assert killed_at is not None, f"the job ended before the kill:\n{out}"
+    assert dead[-1]["step"] < 8, "the kill landed before the job finished"
+    assert job.returncode == 0, out
+    ours = read_metrics(run_dir)
+    assert [r["step"] for r in ours] == list(range(1, 9)), "each step exactly once"
+    restores = [json.loads(line) for line in (run_dir / "restores.jsonl").read_text().splitlines()]
+    assert len(restores) == 1 and restores[0]["attempt"] == 1 and restores[0]["source"] == "staged", restores
+    assert restores[0]["round"] == 2  # the agent store's round counter: the launch's second start
+    restored = restores[0]["step"]
+    assert 4 <= restored < dead[-1]["step"], (restored, [r["step"] for r in dead])
+    assert f"restored step {restored} from the staged copy" in out
+    again = {r["step"]: r for r in ours}
+    rerun = [before for before in dead if before["step"] > restored]
+    assert rerun  # the steps the dead attempt ran past the restored one ran again, the same to the bit
+    for before in rerun:
+        for k in KEYS:
+            assert again[before["step"]][k] == before[k], f"step {before['step']} {k}: {again[before['step']][k]} vs {before[k]}"
+    staged = [r for r in ours if r["step"] not in (1, restored + 1)]  # each attempt's first step follows no staging
+    assert all(r["staging"]["step"] == r["step"] - 1 and r["staging"]["copy_s"] < r["step_seconds"] for r in staged)
+    assert not os.path.exists(shm_dir)  # the finished run gave the node's memory back
+
+
+def _train_and_stage(rank, world, run_dir, shm_dir):
+    """One gloo rank: 2 steps, a durable checkpoint at step 1, the staged copy of step 2; a
+    fresh trainer restores from the newest valid source, then again once a byte of a staged
+    box file is flipped. Per restore: (step, record, its actor state == that step's, source
+    kinds, staging dir still there, (its step counter, LR == that step's))."""
+    import torch
+
+    from nereus.trainer.loop import Trainer
+    from nereus.trainer.staging import Stager, agree_sources, restore_newest
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}",
+                                  "grpo.lr_schedule.decay=linear"])  # the LR moves every update: its position is state
+    os.makedirs(run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    trainer.run_step()
+    trainer.save()
+    states = {1: {k: v.clone() for k, v in trainer.stages["actor.train"].buffers().items()}}
+    lrs = {1: trainer.stages["actor.train"].optimizer.param_groups[0]["lr"]}
+    trainer.run_step()
+    stager = Stager(cfg, rank)
+    trainer.stage(stager)
+    stager.close()
+    states[2] = {k: v.clone() for k, v in trainer.stages["actor.train"].buffers().items()}
+    lrs[2] = trainer.stages["actor.train"].optimizer.param_groups[0]["lr"]
+    out = []
+    for corrupt in (False, True):
+        if corrupt:
+            data = os.path.join(shm_dir, "data")
+            box = sorted(os.path.join(d, f) for d, _, fs in os.walk(data) for f in fs if not f.endswith(".json"))[0]
+            with open(box, "r+b") as f:
+                byte = f.read(1)
+                f.seek(0)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        fresh = Trainer(cfg)
+        sources, reasons = agree_sources(cfg, trainer.checkpoint_root())
+        step, record = restore_newest(fresh, sources, reasons)
+        got = fresh.stages["actor.train"].buffers()
+        same = all(torch.equal(got[k], want) for k, want in states[step].items())
+        lr = fresh.stages["actor.train"].optimizer.param_groups[0]["lr"]
+        out.append((step, record, same, [s.kind for s in sources], os.path.isdir(shm_dir), (fresh.step, lr == lrs[step])))
+    out.append(_capacity_and_a_failed_write(cfg, rank, fresh, shm_dir))
+    return out
+
+
+def _capacity_and_a_failed_write(cfg, rank, trainer, shm_dir):
+    """A stager on a node without room for staging_keep + 1 copies is off (its reason); a
+    write that fails (ENOSPC after the box files are written) turns staging off and leaves no
+    partial data. Returns (enabled, refusal, failed figure, data dirs left, committed steps)."""
+    import errno
+
+    from nereus.store import dcp_io
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.trainer import staging
+
+    emus = [e for s in trainer._trained() for e in s.emus]
+    real_free, real_finish = staging.free_bytes, dcp_io.BoxWriter.finish
+    staging.free_bytes = lambda root: 1 << 10
+    try:
+        tiny = staging.Stager(cfg, rank, emus)
+    finally:
+        staging.free_bytes = real_free
+    full = staging.Stager(cfg, rank, emus)
+
+    def enospc(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    dcp_io.BoxWriter.finish = enospc
+    try:
+        trainer.stage(full)  # the boxes are written, then the disk is full
+        trainer.stage(full)  # waits for it: the failure
+    finally:
+        dcp_io.BoxWriter.finish = real_finish
+    full.close()
+    data = os.path.join(shm_dir, "data")
+    left = os.listdir(data) if os.path.isdir(data) else []
+    return tiny.enabled, tiny.refused, full.figures().get("failed"), left, CheckpointStore(shm_dir).steps()
+
+
+@pytest.mark.timeout(120)
+def test_the_staged_copy_restores_its_step_and_a_corrupted_one_is_refused_for_the_durable(tmp_path, shm_dir):
+    staged, durable, capacity = run_distributed(_train_and_stage, 1, str(tmp_path / "run"), shm_dir, timeout=110)[0]
+    step, record, same, kinds, left, counters = staged
+    assert step == 2 and record["source"] == "staged" and record["refused"] == [] and kinds == ["staged", "durable"]
+    assert same and counters == (2, True) and left  # every element of the actor's state; the step and the LR schedule
+    step, record, same, kinds, left, counters = durable
+    assert kinds == ["staged", "durable"]  # the corrupted copy passed the metadata checks; its bytes did not
+    assert step == 1 and record["source"] == "durable" and same and counters == (1, True)
+    assert len(record["refused"]) == 1 and "staged step 2 refused on rank 0" in record["refused"][0]
+    assert "corrupted" in record["refused"][0] and shm_dir in record["refused"][0]  # names the file
+    assert not left  # discarded: the next attempt does not meet it again
+    enabled, refused, failed, data_left, steps = capacity
+    assert not enabled and "3 copies of the state" in refused and "MiB are free there" in refused
+    assert "No space left on device" in failed and data_left == [] and steps == []  # the partial data went
+
+
+def _kill_while_staging(rank, world, run_dir, shm_dir):
+    """Stage step 1, then die (SIGKILL) inside the staging of step 2, after its box files are
+    written and before its manifest commits."""
+    from nereus.store import checkpoint
+    from nereus.trainer.loop import Trainer
+    from nereus.trainer.staging import Stager
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}"])
+    trainer = Trainer(cfg)
+    stager = Stager(cfg, rank)
+    trainer.run_step()
+    trainer.stage(stager)
+    stager.saver.wait()
+    trainer.run_step()
+    checkpoint.CheckpointStore.commit = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    trainer.stage(stager)
+    stager.saver.wait()
+    return "survived"
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, shm_dir):
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.trainer.staging import local_view
+
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        run_distributed(_kill_while_staging, 1, str(tmp_path / "run"), shm_dir, timeout=110)
+    store = CheckpointStore(shm_dir)
+    assert store.steps() == [1]
+    written = sorted(os.listdir(os.path.join(shm_dir, "data")))
+    assert len(written) == 2 and written[1].startswith("000000000002-")  # step 2's boxes, named by no manifest
+    store.verify(store.manifest(1))  # every block of step 1 against its checksums
+    view = local_view(shm_dir, str(tmp_path / "run" / "checkpoints"))
+    assert view["staged"]["step"] == 1 and check_staged(view["staged"], durable_step=None, run_dir=str(tmp_path / "run")) is None
+
+
+# ------------------------------------------------------------------ pure checks
+
+
+def _view(step=5, run="/r", plan=None, layouts=None, lineage="L1", record=None):
+    plan = plan if plan is not None else {"actor": {"train": {"dp": 2, "tp": 1, "pp": 1}}}
+    return {"step": step, "data": f"data/{step}", "plan": plan, "staged": {"run": run, "lineage": lineage},
+            "plan_record": record if record is not None else {"version": 1, "since": 3, "digest": plan_digest(plan)},
+            "layouts": layouts if layouts is not None else [["actor.train", [2, 1, 1], [2, 1, 1]]]}
+
+
+def _durable(lineage="L1", version=1, since=3, plan=None):
+    plan = plan if plan is not None else {"actor": {"train": {"dp": 2, "tp": 1, "pp": 1}}}
+    return {"lineage": lineage, "plan_record": {"version": version, "since": since, "digest": plan_digest(plan)}}
+
+
+def test_check_staged_names_why_a_copy_is_refused():
+    assert check_staged(_view(), durable_step=4, run_dir="/r", durable_state=_durable()) is None
+    assert check_staged(_view(), durable_step=5, run_dir="/r") is None  # as new as the durable: the faster source
+    assert check_staged(None, durable_step=4, run_dir="/r") == "no staged copy"
+    assert "older than the durable checkpoint's 6" in check_staged(_view(), durable_step=6, run_dir="/r")
+    assert "belongs to run '/other'" in check_staged(_view(run="/other"), durable_step=4, run_dir="/r")
+    bad = _view()
+    bad["plan_record"]["digest"] = "0" * 16
+    assert "plan record does not match the plan its manifest names" in check_staged(bad, durable_step=None, run_dir="/r")
+    moved = _view(layouts=[["actor.train", [1, 2, 1], [2, 1, 1]]])
+    assert "actor.train's data is in dp·tp·pp [1, 2, 1], but its plan record says [2, 1, 1]" in check_staged(moved, durable_step=None, run_dir="/r")
+    assert "cannot be read" in check_staged({"error": "its manifest cannot be read (x)"}, durable_step=None, run_dir="/r")
+
+
+def test_a_staged_copy_of_another_launch_or_plan_history_is_refused():
+    # a restart trusts only its launch's lineage; a launch's first start, the durable checkpoint's
+    assert check_staged(_view(), durable_step=4, run_dir="/r", lineage="L1") is None
+    assert "staged by another launch (lineage 'L0', this launch's is 'L1')" in check_staged(
+        _view(lineage="L0"), durable_step=None, run_dir="/r", lineage="L1")
+    assert "the durable checkpoint's is 'L2'" in check_staged(_view(), durable_step=4, run_dir="/r", durable_state=_durable("L2"))
+    # the plan record against the durable checkpoint's: a real version, not the manifest's own plan again
+    assert "plan version 1 is older than the durable checkpoint's 2" in check_staged(
+        _view(), durable_step=4, run_dir="/r", durable_state=_durable(version=2, since=4))
+    other = {"actor": {"train": {"dp": 1, "tp": 2, "pp": 1}}}
+    assert "names another plan than the durable checkpoint's" in check_staged(
+        _view(), durable_step=4, run_dir="/r", durable_state=_durable(plan=other))
+    later = _view(record={"version": 2, "since": 4, "digest": plan_digest(_view()["plan"])})
+    assert check_staged(later, durable_step=3, run_dir="/r", durable_state=_durable()) is None  # moved after the durable step
+    assert "dates from step 4, but the durable checkpoint of step 4 still has version 1" in check_staged(
+        later, durable_step=4, run_dir="/r", durable_state=_durable())
+
+
+def test_the_plan_record_counts_plan_changes():
+    from nereus.trainer.staging import advance_plan_record
+
+    a, b = {"actor": {"train": {"dp": 2}}}, {"actor": {"train": {"dp": 1, "tp": 2}}}
+    first = advance_plan_record(None, a, 0)
+    assert first == {"version": 0, "since": 0, "digest": plan_digest(a)}
+    assert advance_plan_record(first, a, 5) == first
+    assert advance_plan_record(first, b, 5) == {"version": 1, "since": 5, "digest": plan_digest(b)}
+
+
+def test_choose_sources_orders_staged_first_and_needs_every_rank_to_see_it():
+    views = [{"staged": _view(), "durable": 4, "durable_plan": {"p": 1}, "durable_state": _durable()}] * 2
+    sources, reasons = choose_sources(views, run_dir="/r", staged_root="/dev/shm/x", durable_root="/r/checkpoints")
+    assert [(s.kind, s.step) for s in sources] == [("staged", 5), ("durable", 4)] and reasons == []
+    other = [views[0], {"staged": None, "durable": 4, "durable_plan": None, "durable_state": _durable()}]
+    sources, reasons = choose_sources(other, run_dir="/r", staged_root="/dev/shm/x", durable_root="/r/checkpoints")
+    assert [s.kind for s in sources] == ["durable"] and "rank 1 sees a staged copy other than rank 0's (no staged copy" in reasons[0]
+    stale = [{"staged": _view(step=3), "durable": 4, "durable_plan": None}]
+    sources, reasons = choose_sources(stale, run_dir="/r", staged_root="/dev/shm/x", durable_root="/r/checkpoints")
+    assert [s.kind for s in sources] == ["durable"] and "staged copy of step 3 refused: its step 3 is older" in reasons[0]
+    nothing = [{"staged": None, "durable": None, "durable_plan": None}]
+    assert choose_sources(nothing, run_dir="/r", staged_root="/x", durable_root="/y") == ([], [])
+    off = choose_sources(views, run_dir="/r", staged_root="/x", durable_root="/y", staging_off="several nodes")
+    assert [s.kind for s in off[0]] == ["durable"] and off[1] == ["staged copy not used: several nodes"]
+
+
+def test_an_unreadable_durable_manifest_is_refused_on_every_rank_not_fatal(tmp_path, monkeypatch):
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.trainer.staging import DURABLE_REFUSED, local_view
+
+    durable = tmp_path / "checkpoints"
+    (durable / "meta").mkdir(parents=True)
+
+    def broken(self):
+        raise OSError("Input/output error")
+
+    monkeypatch.setattr(CheckpointStore, "steps", broken)
+    view = local_view(str(tmp_path / "no-staging"), str(durable))
+    assert view["durable"] is None and "cannot be read (OSError: Input/output error)" in view["durable_error"]
+    fine = {"staged": _view(), "durable": 4, "durable_plan": None, "durable_state": _durable()}
+    sources, reasons = choose_sources([fine, {**view, "staged": _view()}], run_dir="/r", staged_root="/x", durable_root=str(durable))
+    assert sources == [] and reasons[0].startswith(f"{DURABLE_REFUSED} on rank 1: its manifest cannot be read")
+
+
+def test_elastic_config_and_flags_are_checked():
+    with pytest.raises(ConfigError, match="'elastic.staging' must be one of 'auto', 'always', 'never'"):
+        load_config(TINY_GRPO, ["elastic.staging=sometimes"])
+    for bad in ("0", "true"):
+        with pytest.raises(ConfigError, match="'elastic.staging_keep'"):
+            load_config(TINY_GRPO, [f"elastic.staging_keep={bad}"])
+    for bad in ("-1", "5", ".inf", ".nan"):
+        with pytest.raises(ConfigError, match="'elastic.collective_timeout_s' must be a finite number of seconds >= 30"):
+            load_config(TINY_GRPO, [f"elastic.collective_timeout_s={bad}"])
+    assert load_config(TINY_GRPO, ["elastic.collective_timeout_s=30"]).elastic.collective_timeout_s == 30
+    with pytest.raises(ConfigError, match="'elastic.staging_dir' must be an absolute path"):
+        load_config(TINY_GRPO, ["elastic.staging_dir=shm/x"])
+    with pytest.raises(ConfigError, match="'elastic.staging_dir' must be a local path .* not a URL"):
+        load_config(TINY_GRPO, ["elastic.staging_dir=s3://bucket/stage"])
+    with pytest.raises(ConfigError, match="did you mean 'elastic.staging_dir'"):
+        load_config(TINY_GRPO, ["elastic.staging_dirr=/x"])
+    assert parse_nnodes("1:3") == (1, 3) and parse_nnodes("2") == (2, 2)
+    for bad in ("0:2", "3:1", "a:b"):
+        with pytest.raises(ValueError, match=f"--nnodes '{bad}'"):
+            parse_nnodes(bad)
+    assert rendezvous_timeout(30) > 30 and rendezvous_timeout(500) > 500  # the agent waits longer than any collective
+    assert own_result({2: {"step": 8, "node": "b"}, 3: {"step": 8}}) == {"step": 8, "node": "b"}  # this node's ranks, not 0
+
+
+def test_staging_is_off_on_several_nodes_and_capacity_is_checked(monkeypatch):
+    from nereus.trainer.staging import capacity_refusal, staging_mode
+
+    cfg = load_config(TINY_GRPO, ["elastic.staging=always"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert staging_mode(cfg) == (True, None)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    on, why = staging_mode(cfg)
+    assert not on and "several nodes (4 ranks, 2 on this node): staging is off" in why
+    mib = 1 << 20
+    assert capacity_refusal(10 * mib, 2, 30 * mib, 0) is None
+    assert capacity_refusal(10 * mib, 2, 10 * mib, 20 * mib) is None  # this run's earlier copies rotate out
+    assert "3 copies of the state (10.0 MiB each" in capacity_refusal(10 * mib, 2, 29 * mib, 0)
+
+
+def test_a_restart_is_told_from_a_fresh_start_by_the_launchs_store():
+    """Every rank of a round agrees on its number over the agent's store, whatever an earlier
+    round left there (a membership change keeps TORCHELASTIC_RESTART_COUNT); a new launch (a
+    new store, even under a reused rendezvous id) starts at round 1."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from nereus.trainer.staging import ROUND_KEY, decide_restart, join_round
+
+    def round_of(store_port, world, stale=None):
+        got, errors = {}, []
+
+        def one(rank):
+            try:
+                client = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=timedelta(seconds=20))
+                got[rank] = join_round(client, rank, world, 20)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in reversed(range(world))]  # the others before rank 0
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        return got
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    assert set(round_of(server.port, 2).values()) == {1}  # the launch's first start
+    server.set(f"{ROUND_KEY}/hello/1", "a-dead-round's-token")  # left behind by a killed rank 1
+    assert set(round_of(server.port, 3).values()) == {2}  # a node joined: the same restart count, the next round
+    again = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    assert set(round_of(again.port, 2).values()) == {1}  # a new launch: fresh, whatever its rendezvous id
+    assert not decide_restart(0, 1) and decide_restart(0, 2) and decide_restart(1, 2) and not decide_restart(0, None)
+    assert decide_restart(1, None)  # without an agent store: the restart count alone
+
+
+def test_a_start_plans_for_the_world_there_is():
+    from nereus.trainer.config import config_to_dict
+    from nereus.trainer.resume import plan_for_start
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *TWO])
+    same, how = plan_for_start(cfg, None, 2)
+    assert same is cfg and how == "the launch's plan"
+    wider, how = plan_for_start(cfg, None, 4)  # nproc 2 per node on 2 nodes: the first start plans for 4 ranks
+    assert wider.nproc == 4 and how == "planned for 4 ranks by the controller"
+    moved = config_to_dict(load_config(TINY_GRPO, [*SMALL, *TWO, "plan.actor.gen.dp=2", "plan.actor.gen.tp=1"]).plan)
+    got, how = plan_for_start(cfg, moved, 2)  # a restart (also under --resume) takes the restored state's plan
+    assert (got.plan.actor.gen.dp, got.plan.actor.gen.tp) == (2, 1) and how == "the restored state's plan"
+
+
+def test_a_restarted_worker_takes_the_restored_plan_where_it_runs():
+    from nereus.trainer.config import config_to_dict
+    from nereus.trainer.resume import plan_for_world
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *TWO])
+    same, how = plan_for_world(cfg, config_to_dict(cfg.plan), 2)
+    assert same is cfg and how == "the restored state's plan"
+    moved = config_to_dict(load_config(TINY_GRPO, [*SMALL, *TWO, "plan.actor.gen.dp=2", "plan.actor.gen.tp=1"]).plan)
+    got, how = plan_for_world(cfg, moved, 2)  # a controller moved actor.gen before the worker died
+    assert (got.plan.actor.gen.dp, got.plan.actor.gen.tp) == (2, 1) and how == "the restored state's plan"
+    shrunk, how = plan_for_world(cfg, moved, 1)  # a node left: neither plan runs on 1 rank
+    assert shrunk.nproc == 1 and how == "planned for 1 ranks by the controller"
+    assert all(len(sc.ranks or range(1)) == 1 and sc.dp * sc.tp * sc.pp == 1 for sc in shrunk.plan.stages().values())
+
+
+def test_the_trackers_are_flushed_before_a_state_commits(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nereus.trainer.trackers import TensorBoard, flush_trackers
+
+    tb = TensorBoard.open(str(tmp_path), 0)
+    tb.log(1, {"reward_mean": 0.5}, {})
+    flush_trackers([tb, object()])  # a tracker without flush is skipped
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [1]  # on disk before close: a SIGKILL now loses nothing
+    tb.close()
+
+
+def test_bad_launch_flags_are_one_line_errors_before_the_run_dir_changes(tmp_path):
+    from typer.testing import CliRunner
+
+    from nereus.cli.app import app
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "keep").write_text("x")
+    for flags, message in ((["--nnodes", "1:2"], "several nodes need --rdzv-endpoint HOST:PORT"),
+                           (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1"], "several nodes need --rdzv-id ID"),
+                           (["--nnodes", "2:1"], "--nnodes '2:1': needs 1 <= MIN <= MAX"),
+                           (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1")):
+        result = CliRunner().invoke(app, ["train", TINY_GRPO, "--run-dir", str(run_dir), "--overwrite", *flags])
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+        assert (run_dir / "checkpoints" / "keep").exists()  # --overwrite deleted nothing
+
+
+def test_only_a_fresh_start_s_rank_0_checks_the_run_dir_on_several_nodes_or_under_torchrun(tmp_path, monkeypatch):
+    """A node's launcher (one joining later too) and a torchrun worker (restarted too) leave the
+    run dir to the workers: they pass --overwrite on, and delete nothing themselves."""
+    from typer.testing import CliRunner
+
+    from nereus.cli import train as cli_train
+    from nereus.cli.app import app
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.trainer.staging import fresh_run_dir
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "keep").write_text("x")  # the launcher's --overwrite would delete this
+    calls = []
+    monkeypatch.setattr(cli_train, "run_job", lambda cfg, resume, **kw: calls.append(kw))
+    flags = ["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "job-1", "--overwrite"]
+    result = CliRunner().invoke(app, ["train", TINY_GRPO, "--run-dir", str(run_dir), *flags, *[a for s in SMALL for a in ("--set", s)]])
+    assert result.exit_code == 0, result.output
+    assert calls[-1]["overwrite"] is True and calls[-1]["rdzv_id"] == "job-1" and (run_dir / "checkpoints" / "keep").exists()
+    for key, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", "none")):
+        monkeypatch.setenv(key, value)
+    result = CliRunner().invoke(app, ["train", TINY_GRPO, "--run-dir", str(run_dir), "--overwrite", *[a for s in SMALL for a in ("--set", s)]])
+    assert result.exit_code == 0, result.output
+    assert calls[-1]["overwrite"] is True and (run_dir / "checkpoints" / "keep").exists()
+    monkeypatch.setattr(CheckpointStore, "steps", lambda self: [1])
+    assert "holds checkpoints of an earlier run (steps [1])" in fresh_run_dir(str(run_dir), False)  # rank 0's own check
+    assert fresh_run_dir(str(run_dir), True) is None and not (run_dir / "checkpoints").exists()

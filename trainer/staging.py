@@ -1,0 +1,664 @@
+"""The memory-staged per-step state, and the choice of the source a (re)started job restores.
+
+After every completed step the step's whole trainer state is staged in the node's shared
+memory (``elastic.staging_dir``, default ``/dev/shm/nereus-<run id>``; a tmpfs outlives the
+worker processes, so an agent's restart finds it). The staged copy *is* a checkpoint of the
+store's own format (``store/checkpoint.py``): box files with CRC32C block checksums and a
+manifest committed last with a compare-and-swap — the parameters, fp32 masters and AdamW
+state as boxes; the step counter, the prompt sampler's position, the LR schedules' positions,
+the controller's state, the run's lineage and its plan record in the manifest's job state. A
+worker killed while it stages leaves a data directory no manifest names: the previous staged
+step stays the newest committed one. ``elastic.staging_keep`` (default 2) staged steps are
+kept. Staging starts only when the node's free space holds ``staging_keep + 1`` copies of the
+state (else it is off, logged); a failed write (e.g. the tmpfs filled up) removes its partial
+data and turns staging off for the rest of the run (logged; training goes on); a run that
+finishes removes its staged copies. Staging is per node: with several nodes it is off
+(logged), since the manifest is committed on one node only.
+
+Overlap: ``Stager.stage`` copies this rank's boxes into host buffers kept across steps
+(pinned on CUDA; the only part on the step's critical path, ``copy_s``), then a background
+thread writes and commits them over a gloo group of its own while the next step runs
+(``write_s``); the next ``stage`` first waits for it (``wait_s``, 0 when the write finished
+under the step). Both figures land in the next step's metrics record (``staging``).
+
+Launches and rounds (``join_round``, before the process group forms): the elastic agent's
+store (``TORCHELASTIC_USE_AGENT_STORE``: the TCPStore the agent of node rank 0 hosts for the
+workers, ``MASTER_ADDR:MASTER_PORT``) lives across every rendezvous round of one launch and
+dies with it. Rank 0 of each round takes a round number from a counter there and hands it to
+every other rank over keys only this round's ranks can name (a random token each), so every
+rank of the round agrees on it whatever earlier rounds left in the store. The round number
+(a) prefixes the store the process group forms on — a restarted rank never reads a dead
+round's addresses, also after a membership change, which does not bump
+``TORCHELASTIC_RESTART_COUNT`` — and (b) tells a restart from a fresh start: round 1 is the
+launch's first start; any later round (a restart after a failure or a membership change)
+restores. A new launch has a new store, so a reused ``--rdzv-id`` is a fresh start.
+
+Restore (``choose_sources`` then ``restore_newest``): every rank reports what it sees — the
+newest staged manifest on its node and the newest durable step — and every rank derives the
+same ordered list: the staged copy first when it passes every check of ``check_staged``
+(this run's and this lineage's, not older than the durable checkpoint, its plan record
+consistent with the durable checkpoint's and with the layouts its data was saved from, every
+rank sees the same copy), then the durable checkpoint (every rank reads the same manifest).
+Each source's bytes are verified on read (reshard's checksummed staged reads); the ranks
+agree on the outcome in one object collective, and a source that failed on any rank is
+refused on every rank, with its reason logged (stderr and ``RUN_DIR/restores.jsonl``), and
+the next one is loaded. A refused staged copy (for any reason) is deleted, so the next
+attempt does not meet it again and later staging does not collide with its steps: the job
+never loops on a bad copy. A fresh start deletes every node's staged copies before it starts.
+
+Lineage: a fresh start draws a random lineage id; it is kept in every checkpoint's and staged
+copy's job state and comes back with a restore (``nereus resume`` continues it). The
+launch's lineage is published in the agent's store, and a restart trusts only staged copies
+of that lineage (a copy another launch left on a node that joined later is refused); the
+first round of a resumed launch trusts only copies of the durable checkpoint's lineage.
+
+Plan record: ``{"version", "since", "digest"}`` — how many plan changes the lineage has gone
+through, the step from which the current plan holds, its digest — kept in the job state
+(``plan_record``), advanced when the plan a record is written in differs from the last one.
+A staged copy is refused when its record contradicts the durable checkpoint's (an older
+version, the same version with another plan, or a change dated at or before the durable
+step) or the plan its own manifest names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch.distributed as dist
+
+STAGING_BASE = "/dev/shm"
+DURABLE_REFUSED = "durable checkpoint refused"
+ROUND_KEY = "nereus/round"
+LINEAGE_KEY = "nereus/lineage"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Source:
+    """A committed state a job can restore: ``kind`` staged | durable, its checkpoint root."""
+
+    kind: str
+    root: str
+    step: int
+    plan: dict | None = None
+
+
+def run_id(run_dir: str) -> str:
+    """A run's identity on the node: a hash of its run dir's absolute path (the same on every
+    node and every attempt)."""
+    return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:12]
+
+
+def staging_root(cfg) -> str:
+    return cfg.elastic.staging_dir or os.path.join(STAGING_BASE, f"nereus-{run_id(cfg.run_dir)}")
+
+
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this job's workers after a failure (0:
+    none; membership changes do not count)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+# ------------------------------------------------------------------ the launch's store and rounds
+
+_LAUNCH: dict = {}
+"""This process's launch: ``store`` (the agent's store, unprefixed) and ``round`` (None: no
+agent store)."""
+
+
+def agent_store(timeout: timedelta):
+    """The elastic agent's store for the workers (a client), or None when the workers have
+    none (not under an agent, or ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False, timeout=timeout)
+
+
+def join_round(store, rank: int, world: int, timeout_s: float, *, poll_s: float = 0.005) -> int:
+    """This rendezvous round's number, the same on every rank of it (module docstring).
+
+    Rank 0 takes the next value of ``ROUND_KEY`` (``add``: unique in the store's life); every
+    other rank posts a fresh random token under ``hello/<rank>`` and waits for
+    ``ack/<token>``, which only rank 0 of this round writes (it acknowledges every token it
+    reads, so a token a dead round left behind costs nothing), then confirms under a key of
+    the round number. Rank 0 returns once every rank confirmed; RuntimeError after
+    ``timeout_s`` naming the ranks that did not."""
+    if rank == 0:
+        number = store.add(ROUND_KEY, 1)
+        pending, acked = set(range(1, world)), set()
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            for r in sorted(pending):
+                if store.check([f"{ROUND_KEY}/{number}/ready/{r}"]):
+                    pending.discard(r)
+                    continue
+                if store.check([f"{ROUND_KEY}/hello/{r}"]):
+                    token = store.get(f"{ROUND_KEY}/hello/{r}").decode()
+                    if token not in acked:
+                        store.set(f"{ROUND_KEY}/ack/{token}", str(number))
+                        acked.add(token)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"round {number}: ranks {sorted(pending)} did not join within {timeout_s:.0f}s")
+            time.sleep(poll_s)
+        return number
+    token = uuid.uuid4().hex
+    store.set(f"{ROUND_KEY}/hello/{rank}", token)
+    number = int(store.get(f"{ROUND_KEY}/ack/{token}"))  # waits (the store's timeout)
+    store.set(f"{ROUND_KEY}/{number}/ready/{rank}", "1")
+    return number
+
+
+def enter_launch(timeout: timedelta) -> dict:
+    """Before the process group forms: under an agent store, this round's number and the
+    store prefixed by it for ``init_process_group`` (``{"store", "rank", "world_size"}``);
+    {} otherwise (env://). A multi-node elastic launch without the agent's store cannot tell
+    a membership change from a fresh start: RuntimeError."""
+    env = os.environ
+    _LAUNCH.clear()
+    store = agent_store(timeout)
+    if store is None:
+        if "TORCHELASTIC_RUN_ID" in env and int(env.get("GROUP_WORLD_SIZE", "1") or 1) > 1:
+            raise RuntimeError("several nodes without the elastic agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): a "
+                               "membership change would look like a fresh start; unset it")
+        _LAUNCH.update(store=None, round=None)
+        return {}
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    number = join_round(store, rank, world, timeout.total_seconds())
+    _LAUNCH.update(store=store, round=number)
+    return {"store": dist.PrefixStore(f"/nereus/round_{number}", store), "rank": rank, "world_size": world}
+
+
+def launch_round() -> int | None:
+    """This process's round of its launch (1: the first start), None without an agent store."""
+    return _LAUNCH.get("round")
+
+
+def decide_restart(restarts: int, round_number: int | None) -> bool:
+    """Whether a start continues its launch (pure): the agent restarted the workers after a
+    failure, or this is not the launch's first rendezvous round (a membership change)."""
+    return restarts > 0 or (round_number is not None and round_number > 1)
+
+
+def is_restart() -> bool:
+    """``decide_restart`` for this process (after ``enter_launch``)."""
+    return decide_restart(restart_count(), launch_round())
+
+
+def launch_lineage() -> str | None:
+    """The lineage the launch published (an earlier round's rank 0), None when none did."""
+    store = _LAUNCH.get("store")
+    if store is None or not store.check([LINEAGE_KEY]):
+        return None
+    return store.get(LINEAGE_KEY).decode() or None
+
+
+def publish_lineage(lineage: str | None) -> None:
+    """Rank 0, once the job state is known: the launch's lineage, for its later rounds."""
+    store = _LAUNCH.get("store")
+    if store is not None and lineage:
+        store.set(LINEAGE_KEY, lineage)
+
+
+def new_lineage() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+# ------------------------------------------------------------------ fresh starts
+
+
+def fresh_run_dir(run_dir: str, overwrite: bool) -> str | None:
+    """A fresh run must not share its run dir with an earlier run's checkpoints (a later
+    ``--resume`` would pick the newest of either): the refusal's message, or None — after
+    deleting them when ``overwrite``. Call on one process (the launch's, or global rank 0 of a
+    fresh start), never on a restart."""
+    from nereus.store.checkpoint import CheckpointStore
+
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    steps = CheckpointStore(root).steps()
+    if not steps and not overwrite:
+        return None
+    if not overwrite:
+        return (f"run dir {run_dir!r} holds checkpoints of an earlier run (steps {steps}): pass --resume to continue it, "
+                "--overwrite to start over (its checkpoints are deleted), or another --run-dir")
+    shutil.rmtree(root)
+    return None
+
+
+def agree_start(cfg, resume: bool, overwrite: bool | None = None) -> dict:
+    """Collective, right after the process group forms: ``{"restoring", "restart",
+    "lineage", "error"}``, decided by rank 0 and the same on every rank. ``restart``:
+    ``is_restart``; ``restoring``: ``resume`` or a restart; ``lineage``: the launch's
+    published lineage on a restart, a new one on a fresh start. A fresh start clears every
+    node's staged copies (its local rank 0); with ``overwrite`` not None (the launcher left the
+    run dir to the workers: under torchrun, several nodes) rank 0 also refuses an earlier
+    run's checkpoints or deletes them (``fresh_run_dir``) — never on a restart."""
+    decision: list = [None]
+    if dist.get_rank() == 0:
+        restart = is_restart()
+        lineage = launch_lineage() if restart else None
+        error = None
+        if not (resume or restart) and overwrite is not None:
+            try:
+                error = fresh_run_dir(cfg.run_dir, overwrite)
+            except OSError as e:
+                error = f"cannot clear {cfg.run_dir}/checkpoints: {e}"
+        decision[0] = {"restoring": bool(resume or restart), "restart": restart,
+                       "lineage": lineage if restart else (None if resume else new_lineage()), "error": error}
+    dist.broadcast_object_list(decision, src=0)
+    out = decision[0]
+    if not out["restoring"] and not out["error"]:
+        if local_rank() == 0:
+            clear_staging(staging_root(cfg))  # an earlier run's staged copy must not come back
+        dist.barrier()
+    return out
+
+
+def staging_mode(cfg) -> tuple[bool, str | None]:
+    """``elastic.staging``: always, never, or auto — on when the agent may restart the
+    workers. Off on several nodes (the reason): the staged manifest is committed on one node."""
+    mode = cfg.elastic.staging
+    on = mode == "always" if mode != "auto" else int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if on and local and world and int(local) != int(world):
+        return False, (f"staging is per node and this job spans several nodes ({world} ranks, {local} on this node): "
+                       "staging is off; restarts restore the durable checkpoint")
+    return on, None
+
+
+def clear_staging(root: str) -> None:
+    """Remove a node's staged copies: the store's own ``meta/`` and ``data/`` only, then
+    ``root`` if that left it empty (a configured ``staging_dir`` may hold other files)."""
+    if not os.path.isdir(root):
+        return
+    for part in ("meta", "data"):
+        shutil.rmtree(os.path.join(root, part), ignore_errors=True)
+    try:
+        os.rmdir(root)
+    except OSError:
+        pass  # not empty: not only ours
+
+
+def finish_staging(cfg) -> None:
+    """Collective, after the run's last step: every node's staged copies go (the durable
+    checkpoint of the last step holds the state)."""
+    dist.barrier()
+    if local_rank() == 0:
+        clear_staging(staging_root(cfg))
+
+
+# ------------------------------------------------------------------ plan record and tags (pure)
+
+
+def plan_digest(plan: Mapping | None) -> str:
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def advance_plan_record(record: Mapping | None, plan: Mapping, step: int) -> dict:
+    """The plan record after a record written at ``step`` in ``plan``: unchanged while the
+    plan is the same, else the next version holding from ``step``; version 0 from ``step``
+    when there was none."""
+    digest = plan_digest(plan)
+    if not record or "version" not in record:
+        return {"version": 0, "since": step, "digest": digest}
+    if record.get("digest") == digest:
+        return dict(record)
+    return {"version": int(record["version"]) + 1, "since": step, "digest": digest}
+
+
+def staged_state(run_dir: str, lineage: str | None) -> dict:
+    """What a staged manifest's job state adds for ``check_staged``: whose run and lineage."""
+    return {"staged": {"run": os.path.abspath(run_dir), "lineage": lineage}}
+
+
+def plan_record_conflict(staged: Mapping | None, durable: Mapping | None, durable_step: int | None) -> str | None:
+    """Why a staged copy's plan record contradicts the durable checkpoint's (None: it does
+    not, or either has none)."""
+    if not staged or not durable or durable_step is None:
+        return None
+    vs, vd = int(staged.get("version", -1)), int(durable.get("version", -1))
+    if vs < vd:
+        return f"its plan version {vs} is older than the durable checkpoint's {vd}"
+    if vs == vd and (staged.get("digest"), staged.get("since")) != (durable.get("digest"), durable.get("since")):
+        return (f"its plan version {vs} (since step {staged.get('since')}) names another plan than the durable checkpoint's "
+                f"version {vd} (since step {durable.get('since')})")
+    if vs > vd and int(staged.get("since", -1)) <= durable_step:
+        return (f"its plan version {vs} dates from step {staged.get('since')}, but the durable checkpoint of step "
+                f"{durable_step} still has version {vd}")
+    return None
+
+
+# ------------------------------------------------------------------ checks (pure)
+
+
+def summarize(manifest) -> dict:
+    """What ``check_staged`` reads of a staged manifest (JSON-able: it crosses ranks)."""
+    plan = manifest.plan or {}
+    state = manifest.state or {}
+    layouts = []
+    for e in manifest.emus:
+        sc = plan.get(e.model, {}).get(e.stage) if isinstance(plan.get(e.model), dict) else None
+        saved = (e.config.dp, e.config.tp, e.config.pp)
+        planned = None if not isinstance(sc, dict) else (sc.get("dp", 1), sc.get("tp", 1), sc.get("pp", 1))
+        layouts.append([f"{e.model}.{e.stage}", list(saved), None if planned is None else list(planned)])
+    return {"step": manifest.step, "data": manifest.data, "plan": manifest.plan, "staged": state.get("staged", {}),
+            "plan_record": state.get("plan_record"), "layouts": layouts}
+
+
+def check_staged(view: dict | None, *, durable_step: int | None, run_dir: str, durable_state: Mapping | None = None,
+                 lineage: str | None = None) -> str | None:
+    """Why a staged copy must not be restored (None: it may be, its bytes still to verify).
+
+    ``view``: ``summarize`` of the newest staged manifest, or ``{"error": ...}``/None.
+    ``durable_state``: the durable checkpoint's ``{"lineage", "plan_record"}``. ``lineage``:
+    the launch's (a restart), None on a launch's first start (then the durable checkpoint's
+    lineage is the one to match, where it has one)."""
+    if view is None:
+        return "no staged copy"
+    if "error" in view:
+        return view["error"]
+    tag = view.get("staged") or {}
+    if tag.get("run") != os.path.abspath(run_dir):
+        return f"it belongs to run {tag.get('run')!r}, not {os.path.abspath(run_dir)!r}"
+    durable_state = durable_state or {}
+    want = lineage or durable_state.get("lineage")
+    if want and tag.get("lineage") != want:
+        whose = "this launch's" if lineage else "the durable checkpoint's"
+        return f"it was staged by another launch (lineage {tag.get('lineage')!r}, {whose} is {want!r})"
+    if durable_step is not None and view["step"] < durable_step:
+        return f"its step {view['step']} is older than the durable checkpoint's {durable_step}"
+    record = view.get("plan_record") or {}
+    if view.get("plan") is None or record.get("digest") != plan_digest(view["plan"]):
+        return "its plan record does not match the plan its manifest names (digest differs)"
+    if tag.get("lineage") == durable_state.get("lineage"):
+        why = plan_record_conflict(record, durable_state.get("plan_record"), durable_step)
+        if why:
+            return why
+    for stage, saved, planned in view["layouts"]:
+        if planned != saved:
+            return f"{stage}'s data is in dp·tp·pp {saved}, but its plan record says {planned}"
+    return None
+
+
+def choose_sources(views: list[dict], *, run_dir: str, staged_root: str, durable_root: str, lineage: str | None = None,
+                   staging_off: str | None = None) -> tuple[list[Source], list[str]]:
+    """Every rank's view (``local_view``) -> the sources to try, newest valid first, and the
+    reasons a source was passed over. Pure: every rank derives the same list. ``staging_off``:
+    why no staged copy may be used at all (several nodes)."""
+    reasons: list[str] = []
+    sources: list[Source] = []
+    durable = {k: views[0].get(k) for k in ("durable", "durable_plan", "durable_state", "durable_error")}
+    bad = [(r, v.get("durable_error")) for r, v in enumerate(views) if v.get("durable_error")]
+    differ = [r for r, v in enumerate(views) if v.get("durable") != durable["durable"]]
+    durable_step = durable["durable"]
+    if bad:
+        reasons.append(f"{DURABLE_REFUSED} on rank {bad[0][0]}: {bad[0][1]}")
+        durable_step = None
+    elif differ:
+        reasons.append(f"{DURABLE_REFUSED}: rank {differ[0]} sees step {views[differ[0]].get('durable')}, rank 0 step "
+                       f"{durable['durable']} (the run dir must be the same filesystem on every node)")
+        durable_step = None
+    staged = views[0]["staged"]
+    seen = [r for r, v in enumerate(views) if v["staged"] is not None]
+    if staging_off is not None:
+        if seen:
+            reasons.append(f"staged copy not used: {staging_off}")
+    elif bad or differ:
+        if seen:
+            reasons.append("staged copy not used: the durable checkpoint it must be checked against is unreadable")
+    else:
+        differ_staged = [r for r, v in enumerate(views) if v["staged"] != staged]
+        if differ_staged:
+            r = differ_staged[0]
+            why = check_staged(views[r]["staged"], durable_step=durable_step, run_dir=run_dir,
+                               durable_state=durable["durable_state"], lineage=lineage) or "another copy"
+            reasons.append(f"rank {r} sees a staged copy other than rank 0's ({why})")
+        else:
+            why = check_staged(staged, durable_step=durable_step, run_dir=run_dir, durable_state=durable["durable_state"],
+                               lineage=lineage)
+            if why is None:
+                sources.append(Source(kind="staged", root=staged_root, step=staged["step"], plan=staged["plan"]))
+            elif why != "no staged copy":
+                reasons.append(f"staged copy of step {staged.get('step', '?') if staged else '?'} refused: {why}")
+    if durable_step is not None:
+        sources.append(Source(kind="durable", root=durable_root, step=durable_step, plan=durable["durable_plan"]))
+    return sources, reasons
+
+
+# ------------------------------------------------------------------ I/O
+
+
+def local_view(staged_root: str, durable_root: str) -> dict:
+    """This rank's view: the newest staged manifest it sees (``summarize``), the durable step,
+    plan and job-state record (``durable_state``: lineage, plan record). A manifest that
+    cannot be read becomes a reason (``error`` / ``durable_error``), never an exception."""
+    from nereus.store.checkpoint import CheckpointStore
+
+    view: dict = {"staged": None, "durable": None, "durable_plan": None, "durable_state": None, "durable_error": None}
+    if os.path.isdir(staged_root):
+        try:
+            store = CheckpointStore(staged_root)
+            if store.steps():
+                view["staged"] = summarize(store.manifest())
+        except Exception as e:  # noqa: BLE001 - an unreadable copy is refused, never fatal
+            view["staged"] = {"error": f"its manifest cannot be read ({type(e).__name__}: {e})"}
+    if os.path.isdir(os.path.join(durable_root, "meta")) or "://" in durable_root:
+        try:
+            store = CheckpointStore(durable_root)
+            steps = store.steps()
+            if steps:
+                manifest = store.manifest(steps[-1])
+                state = manifest.state or {}
+                view["durable"], view["durable_plan"] = steps[-1], manifest.plan
+                view["durable_state"] = {"lineage": state.get("lineage"), "plan_record": state.get("plan_record")}
+        except Exception as e:  # noqa: BLE001 - refused on every rank with its reason (choose_sources), never fatal
+            view.update(durable=None, durable_plan=None, durable_state=None,
+                        durable_error=f"its manifest cannot be read ({type(e).__name__}: {e})")
+    return view
+
+
+def agree_sources(cfg, durable_root: str, *, lineage: str | None = None, staging_off: str | None = None
+                  ) -> tuple[list[Source], list[str]]:
+    """``choose_sources`` over every rank's ``local_view`` (one object collective)."""
+    root = staging_root(cfg)
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, local_view(root, durable_root))
+    sources, reasons = choose_sources(views, run_dir=cfg.run_dir, staged_root=root, durable_root=durable_root,
+                                      lineage=lineage, staging_off=staging_off)
+    if any(v["staged"] is not None for v in views) and not any(s.kind == "staged" for s in sources):
+        _discard(root)  # refused: later staging must not meet its steps (a create-only commit of the same step fails)
+    return sources, reasons
+
+
+def _discard(root: str) -> None:
+    """Every node's staged copy removed, by its local rank 0, while no rank reads it (collective)."""
+    dist.barrier()
+    if local_rank() == 0:
+        clear_staging(root)
+    dist.barrier()
+
+
+def restore_newest(trainer, sources: list[Source], reasons: list[str]) -> tuple[int, dict]:
+    """Load the first source that every rank loads whole (collective). Returns the step and
+    the restore record; RuntimeError when none loads (the job stops: no restart loop)."""
+    t0 = time.perf_counter()
+    for src in sources:
+        error = None
+        try:
+            step = trainer.restore(src.root)
+            if step != src.step:
+                error = f"its newest step is now {step}, not {src.step}"
+        except Exception as e:  # noqa: BLE001 - agreed on below; a bad source is refused, never fatal
+            error = f"{type(e).__name__}: {e}"
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if not bad:
+            return src.step, {"source": src.kind, "step": src.step, "restore_s": time.perf_counter() - t0, "refused": reasons}
+        rank, why = bad[0]
+        reasons.append(f"{src.kind} step {src.step} refused on rank {rank}: {why}")
+        if trainer.rank == 0:
+            print(f"nereus: {reasons[-1]}", file=sys.stderr, flush=True)
+        if src.kind == "staged":
+            _discard(src.root)
+    raise RuntimeError("no committed state could be restored: " + "; ".join(reasons))
+
+
+def log_restore(run_dir: str, record: dict) -> None:
+    """Rank 0: one line per restore in ``RUN_DIR/restores.jsonl``, reasons on stderr."""
+    for reason in record.get("refused", []):
+        print(f"nereus: {reason}", file=sys.stderr, flush=True)
+    print(f"nereus: restored step {record['step']} from the {record['source']} copy in {record['restore_s']:.2f}s",
+          file=sys.stderr, flush=True)
+    with open(os.path.join(run_dir, "restores.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# ------------------------------------------------------------------ staging
+
+
+def state_bytes(emus) -> int:
+    """The bytes one staged copy of ``emus`` takes: every distinct box once (pure)."""
+    from nereus.reshard.layout import itemsize
+    from nereus.store.checkpoint import checkpoint_layouts
+    from nereus.store.dcp_io import all_boxes
+
+    layouts = checkpoint_layouts(emus)
+    return sum(math.prod(lengths) * itemsize(layouts[name].dtype) for name, _, lengths in all_boxes(layouts))
+
+
+def tree_bytes(root: str) -> int:
+    """The bytes of the files under ``root`` (0 when it does not exist)."""
+    total = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except OSError:
+                pass
+    return total
+
+
+def free_bytes(root: str) -> int:
+    """Free bytes (for an unprivileged writer) on the filesystem ``root`` is or would be on."""
+    path = root
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def capacity_refusal(need_each: int, keep: int, free: int, own: int) -> str | None:
+    """Why staging must not start (None: it fits): ``keep`` + 1 copies of ``need_each`` bytes
+    (the kept ones and the one being written) must fit in the free space plus what this run's
+    earlier copies hold (they rotate out). Pure."""
+    need = (keep + 1) * need_each
+    if need > free + own:
+        mib = 1 << 20
+        return (f"{keep + 1} copies of the state ({need_each / mib:.1f} MiB each: elastic.staging_keep={keep}, plus the one "
+                f"being written) need {need / mib:.1f} MiB, but {free / mib:.1f} MiB are free there")
+    return None
+
+
+class Stager:
+    """Stages the trainer's state after each step (module docstring). Construct on every rank
+    at the same point (it creates its gloo group and agrees on the free space); ``stage`` and
+    ``close`` on every rank. ``enabled`` is False (on every rank) when staging did not fit."""
+
+    def __init__(self, cfg, rank: int, emus=None) -> None:
+        from nereus.store.checkpoint import AsyncCheckpointer
+
+        self.root, self.rank = staging_root(cfg), rank
+        self.last: dict = {}
+        self._submitted = 0.0
+        self._done = 0.0
+        self.enabled = True
+        self.refused: str | None = None
+        why = None
+        if emus is not None:
+            try:
+                why = capacity_refusal(state_bytes(emus), cfg.elastic.staging_keep, free_bytes(self.root), tree_bytes(self.root))
+            except OSError as e:
+                why = f"cannot read the free space there ({e})"
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, why)
+        refusals = [(r, w) for r, w in enumerate(flags) if w]
+        if refusals:
+            self.enabled = False
+            self.refused = f"staging in {self.root} is off: rank {refusals[0][0]}: {refusals[0][1]}"
+            if rank == 0:
+                print(f"nereus: {self.refused}", file=sys.stderr, flush=True)
+            self.saver = None
+            return
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.elastic.collective_timeout_s))
+        self.saver = AsyncCheckpointer(self.root, keep=cfg.elastic.staging_keep, sync=False, group=group)
+
+    def stage(self, step: int, emus, buffers, state: dict, plan: dict) -> None:
+        """Stage ``step``: wait for the previous write, copy to host, write in the background."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.saver.wait()
+        except Exception as e:  # noqa: BLE001 - every rank sees a failed save (DCP agrees): staging stops, training goes on
+            self._failed(e)
+            return
+        t1 = time.perf_counter()
+        future = self.saver.save(step, emus, buffers, rank=self.rank, state=state, plan=plan)
+        self._submitted, self._done = time.perf_counter(), 0.0
+        future.add_done_callback(lambda _: setattr(self, "_done", time.perf_counter()))
+        self.last = {"step": step, "wait_s": t1 - t0, "copy_s": self._submitted - t1}
+
+    def _failed(self, e: Exception) -> None:
+        """A staging write failed (every rank): off for the rest of the run; the partial data
+        directory (e.g. of a write that met a full tmpfs) is removed by the node's local rank 0."""
+        self.enabled = False
+        self.last = {"step": self.last.get("step"), "failed": f"{type(e).__name__}: {e}"}
+        if local_rank() == 0:
+            try:
+                from nereus.store.checkpoint import CheckpointStore
+
+                CheckpointStore(self.root).clean_orphans(older_than=0)  # only this run writes here
+            except Exception as cleanup:  # noqa: BLE001 - best effort; the run goes on
+                print(f"nereus: could not remove the failed staging's data ({cleanup})", file=sys.stderr, flush=True)
+        if self.rank == 0:
+            print(f"nereus: staging step {self.last['step']} failed ({self.last['failed']}); "
+                  "staging is off for the rest of the run", file=sys.stderr, flush=True)
+
+    def figures(self) -> dict:
+        """The last staging: ``{"step", "copy_s"`` (on the critical path), ``"wait_s"`` (for
+        the write before it), ``"write_s"`` (its background write and commit; None while it
+        runs)``}``; {} before the first."""
+        if not self.last or "failed" in self.last:
+            return dict(self.last)
+        done = self._done
+        return {**self.last, "write_s": (done - self._submitted) if done else None}
+
+    def close(self) -> None:
+        if self.saver is None:
+            return
+        try:
+            self.saver.close()
+        except Exception as e:  # noqa: BLE001 - the run's outcome does not depend on its last staged copy
+            if self.rank == 0:
+                print(f"nereus: the last staging failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
