@@ -153,16 +153,30 @@ def candidate_memory(cfg: JobConfig, key: str, c: Candidates, *, seq: int | None
     every = np.flatnonzero((c.pp > 2) & (c.recompute == RECOMPUTE.index("selective")))
     which = [np.arange(n), np.flatnonzero(c.pp > 1)]  # one pipeline stage: the first is the last
     stage = [np.zeros(n, dtype=np.int64), c.pp[which[1]] - 1]
-    if len(every):
-        middle = c.pp[every] - 2  # stages 1 .. pp-2 of each
-        which.append(np.repeat(every, middle))
-        stage.append(np.concatenate([np.arange(1, m + 1) for m in middle.tolist()]))
+    if len(every):  # of the middle stages, the first of each (blocks, checkpointed blocks): it has the most in flight
+        from ..stage_args import model_args
+
+        layers = (args or model_args(cfg, key)).spec.num_layers
+        middle = [_middle_stages(layers, pp) for pp in c.pp[every].tolist()]
+        which.append(np.repeat(every, [len(m) for m in middle]))
+        stage.append(np.array([x for m in middle for x in m], dtype=np.int64))
     which, stage = np.concatenate(which), np.concatenate(stage)
     resident, transient = memory_at(cfg, key, c, which, stage, seq=seq, args=args)
     out_r, out_t = resident[:n].copy(), transient[:n].copy()
     np.maximum.at(out_r, which[n:], resident[n:])
     np.maximum.at(out_t, which[n:], transient[n:])
     return out_r, out_t
+
+
+@functools.lru_cache(maxsize=1024)
+def _middle_stages(layers: int, pp: int) -> tuple[int, ...]:
+    """Of pipeline stages 1 .. pp-2, the first holding each distinct (blocks, checkpointed
+    blocks) under ``selective`` recompute: a later stage of the same has fewer micro-batches
+    in flight and the same weights, so it holds no more."""
+    seen: dict[tuple[int, int], int] = {}
+    for p in range(1, pp - 1):
+        seen.setdefault(stage_layers(layers, pp, p, "selective"), p)
+    return tuple(sorted(seen.values()))
 
 
 def memory_at(
