@@ -62,6 +62,9 @@ app.command()(plan)
 from nereus.cli.report import report  # noqa: E402
 
 app.command()(report)
+from nereus.cli.simulate import simulate  # noqa: E402
+
+app.command()(simulate)
 
 
 def main() -> None:

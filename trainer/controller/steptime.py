@@ -380,7 +380,8 @@ class StepTimeModel:
         reg = math.sqrt(prior_weight * len(rows))
         a = np.vstack([a, reg * np.diag(1.0 / centre)])
         b = np.concatenate([b, reg * np.ones(len(OP_CLASSES))])
-        return StepTimeModel(prior=self.prior, coef=dict(zip(OP_CLASSES, nnls(a, b).tolist())))
+        q, r = np.linalg.qr(a)  # ‖a θ − b‖² = ‖r θ − qᵀb‖² + const: the same minimiser, on a square system
+        return StepTimeModel(prior=self.prior, coef=dict(zip(OP_CLASSES, nnls(r, q.T @ b).tolist())))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, *, iterations: int = 200) -> np.ndarray:
