@@ -253,18 +253,20 @@ class CheckpointStore:
         """Delete all but the last ``keep`` committed checkpoints (manifest first, then data)."""
         if keep < 1:
             raise StoreError(f"retention must keep at least 1 checkpoint, got {keep}")
-        retired = []
-        for step in self.steps()[:-keep]:
-            entry = self.meta.get(checkpoint_key(step))
-            if entry is None:
-                continue
-            try:
-                self.meta.put(entry.key, None, expect=entry.generation)
-            except ConflictError:
-                continue  # someone else retired or replaced it
-            self.remove_data(entry.value["data"])
-            retired.append(step)
-        return retired
+        return [step for step in self.steps()[:-keep] if self.delete(step)]
+
+    def delete(self, step: int) -> bool:
+        """Retire the checkpoint of ``step`` (manifest first, then data); False when it is not
+        committed or another writer retired or replaced it meanwhile."""
+        entry = self.meta.get(checkpoint_key(step))
+        if entry is None:
+            return False
+        try:
+            self.meta.put(entry.key, None, expect=entry.generation)
+        except ConflictError:
+            return False
+        self.remove_data(entry.value["data"])
+        return True
 
     def check_files(self, manifest: Manifest, entries: Iterable[FileEntry]) -> None:
         """Raise :class:`CorruptCheckpointError` naming the first file missing or of the wrong size."""

@@ -1,15 +1,23 @@
-"""`nereus resume`: a job continues on another number of processes, in a plan chosen for
-them, and repeats what the uninterrupted job would have done (float64: reduction order)."""
+"""Resuming a job: `nereus train --resume` on the same processes repeats the uninterrupted run
+bit for bit; `nereus resume` continues it on another number of processes, in a plan chosen
+for them, and repeats it up to reduction order (float64); a NaN after a resume stops the job
+and keeps the last good checkpoint.
+
+One uninterrupted 4-step run (checkpoints at steps 2 and 4) is made once; each test resumes a
+copy of it as a crash after step 4 was logged, before it was checkpointed, leaves it: the
+step-4 checkpoint deleted, ``metrics.jsonl`` holding steps 1-4 and a torn line.
+"""
 
 import json
 import math
 import os
+import shutil
 
 import pytest
 from typer.testing import CliRunner
 
 from nereus.cli.app import app
-from nereus.store.checkpoint import CheckpointStore
+from nereus.store.checkpoint import CheckpointStore, load_checkpoint
 from nereus.trainer.config import load_config
 from nereus.trainer.resume import resume_config, runs_on
 
@@ -26,11 +34,38 @@ def metrics(run_dir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run: 4 steps on 4 processes, checkpoints at steps 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    result = runner.invoke(app, ["train", TINY_PPO, *COMMON, "--set", "steps=4", "--run-dir", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert CheckpointStore(str(run_dir / "checkpoints")).steps() == [2, 4]
+    return run_dir
+
+
+def crashed(whole, run_dir):
+    """A copy of ``whole`` as a crash after step 4 was logged and before it was committed leaves it."""
+    shutil.copytree(whole, run_dir)
+    assert CheckpointStore(str(run_dir / "checkpoints")).delete(4)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "tor')
+    return run_dir
+
+
 @pytest.mark.timeout(600)
-def test_a_job_resumed_on_two_processes_repeats_the_four_process_run(tmp_path):
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    assert runner.invoke(app, ["train", TINY_PPO, *COMMON, "--set", "steps=4", "--run-dir", str(whole)]).exit_code == 0
-    assert runner.invoke(app, ["train", TINY_PPO, *COMMON, "--set", "steps=2", "--run-dir", str(split)]).exit_code == 0
+def test_a_resumed_run_repeats_the_uninterrupted_losses_bit_for_bit(whole, tmp_path):
+    split = crashed(whole, tmp_path / "split")
+    result = runner.invoke(app, ["train", TINY_PPO, *COMMON, "--set", "steps=4", "--run-dir", str(split), "--resume"])
+    assert result.exit_code == 0, result.output
+    keys = ("step", *KEYS)
+    assert [[r[k] for k in keys] for r in metrics(split)] == [[r[k] for k in keys] for r in metrics(whole)]  # each step once
+    assert CheckpointStore(str(split / "checkpoints")).steps() == [2, 4]
+
+
+@pytest.mark.timeout(600)
+def test_a_job_resumed_on_two_processes_repeats_the_four_process_run(whole, tmp_path):
+    split = crashed(whole, tmp_path / "split")
     cfg, how = resume_config(str(split), nproc=2, overrides=["steps=4"])
     assert cfg.nproc == 2 and "planned for 2 ranks by the controller" in how
     assert runs_on(cfg.plan, 2) and not runs_on(load_config(TINY_PPO).plan, 2)
@@ -52,6 +87,24 @@ def test_a_job_resumed_on_two_processes_repeats_the_four_process_run(tmp_path):
         for k in KEYS:
             assert math.isclose(a[k], b[k], rel_tol=1e-9, abs_tol=1e-12), f"step {a['step']} {k}: {a[k]} vs {b[k]}"
     assert CheckpointStore(str(split / "checkpoints")).steps() == [2, 4]
+
+
+@pytest.mark.timeout(600)
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(whole, tmp_path):
+    split = crashed(whole, tmp_path / "split")
+    result = runner.invoke(app, ["train", TINY_PPO, *COMMON, "--set", "steps=5", "--set", "checkpoint_every=1", "--set", "ppo.lr=1e300",
+                                 "--run-dir", str(split), "--resume"])
+    assert result.exit_code == 1, result.output
+    assert "loss or gradient is not finite" in result.output and "step 3" in result.output
+    assert CheckpointStore(str(split / "checkpoints")).steps() == [2]
+    cfg = load_config(TINY_PPO, ["model.dtype=float64"])
+    from nereus.reshard.derive import derive_emus
+    from nereus.trainer.stage_args import model_args
+
+    args = model_args(cfg, "actor.train")
+    emus = derive_emus(args.spec, cfg.plan.actor.train.parallel_config(cfg.nproc), model="actor", stage="train", optimizer=True)
+    manifest, _ = load_checkpoint(str(split / "checkpoints"), emus, rank=0)
+    assert manifest.step == 2
 
 
 def test_resume_names_what_is_missing(tmp_path):

@@ -1,4 +1,4 @@
-"""`nereus train` end to end: rewards rise, resume is exact, bad input stops cleanly.
+"""`nereus train` end to end: rewards rise, bad input stops cleanly (resume: test_resume.py).
 
 Each job runs on 4 local gloo processes through the same launcher the CLI uses.
 """
@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from nereus.cli.app import app
-from nereus.store.checkpoint import CheckpointStore, load_checkpoint
+from nereus.store.checkpoint import CheckpointStore
 from nereus.trainer.config import load_config
 from nereus.trainer.tasks import build_task, chance_reward
 
@@ -32,22 +32,21 @@ def metrics(run_dir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-# Mean reward over the last 10 steps that each default job must reach with its fixed seed;
-# chance (uniform random responses) is ~0.057 for the shipped task. Measured here with the
-# shipped configs (rollouts sampled by step and row): PPO 0.072 -> 0.968 (seed 0; seed 1:
-# 0.076 -> 0.967), GRPO 0.081 -> 0.954 (seed 1; seed 2: 0.082 -> 0.971; seed 0 plateaus at
-# 0.718), first 5 -> last 10 steps.
-THRESHOLDS = {TINY_PPO: 0.8, TINY_GRPO: 0.8}
+# Mean reward over the last 10 steps the default job (`nereus train` alone) must reach with
+# its fixed seed; chance (uniform random responses) is ~0.057 for the shipped task. Measured
+# here (rollouts sampled by step and row): 0.072 -> 0.968 (seed 0; seed 1: 0.076 -> 0.967),
+# first 5 -> last 10 steps. GRPO's learning is held by the dataset job (tiny_text, tiny_grpo's
+# settings) and by the controller's tiny_grow (test_dataset_job.py, controller/test_tiny_grow.py).
+THRESHOLD = 0.8
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("config", [TINY_PPO, TINY_GRPO], ids=["ppo", "grpo"])
-def test_default_jobs_learn_well_above_chance(config, tmp_path):
-    result = train(config, "--run-dir", str(tmp_path))
+def test_the_default_job_learns_well_above_chance(tmp_path):
+    result = train("--run-dir", str(tmp_path))  # no config: the shipped tiny_ppo
     assert result.exit_code == 0, result.output
     rows = metrics(tmp_path)
-    cfg = load_config(config)
+    cfg = load_config(TINY_PPO)
     assert [r["step"] for r in rows] == list(range(1, cfg.steps + 1))
     for key in ("reward_mean", "kl", "stage_seconds", "tokens_per_s", "peak_memory_bytes"):
         assert key in rows[-1], key
@@ -56,42 +55,8 @@ def test_default_jobs_learn_well_above_chance(config, tmp_path):
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert first < 3 * chance
-    assert last >= THRESHOLDS[config], f"reward {first:.3f} -> {last:.3f} (chance {chance:.3f})"
+    assert last >= THRESHOLD, f"reward {first:.3f} -> {last:.3f} (chance {chance:.3f})"
     assert os.listdir(tmp_path / "tensorboard")
-
-
-@pytest.mark.timeout(600)
-def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
-    common = ["--set", "steps=4", "--set", "checkpoint_every=2"]
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    assert train(TINY_PPO, *common, "--run-dir", str(whole)).exit_code == 0
-    assert train(TINY_PPO, "--set", "steps=2", "--set", "checkpoint_every=2", "--run-dir", str(split)).exit_code == 0
-    with open(split / "metrics.jsonl", "a") as f:  # a crash after step 3 was logged, before it was checkpointed
-        f.write(json.dumps({**metrics(split)[-1], "step": 3, "actor/loss": 123.0}) + "\n" + '{"step": 4, "tor')
-    assert train(TINY_PPO, *common, "--run-dir", str(split), "--resume").exit_code == 0
-    keys = ("step", "actor/loss", "critic/loss", "reward_mean", "kl")
-    assert [[r[k] for k in keys] for r in metrics(split)] == [[r[k] for k in keys] for r in metrics(whole)]  # each step once
-    assert CheckpointStore(str(split / "checkpoints")).steps() == [2, 4]
-
-
-@pytest.mark.timeout(600)
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    assert train(TINY_PPO, "--set", "steps=2", "--set", "checkpoint_every=1", "--run-dir", str(tmp_path)).exit_code == 0
-    result = runner.invoke(
-        app, ["train", TINY_PPO, "--set", "steps=5", "--set", "checkpoint_every=1", "--set", "ppo.lr=1e30", "--run-dir", str(tmp_path), "--resume"]
-    )
-    assert result.exit_code == 1
-    assert "loss or gradient is not finite" in result.output and "step 3" in result.output
-    store = CheckpointStore(str(tmp_path / "checkpoints"))
-    assert store.steps() == [1, 2]
-    cfg = load_config(TINY_PPO)
-    from nereus.reshard.derive import derive_emus
-    from nereus.trainer.stage_args import model_args
-
-    args = model_args(cfg, "actor.train")
-    emus = derive_emus(args.spec, cfg.plan.actor.train.parallel_config(cfg.nproc), model="actor", stage="train", optimizer=True)
-    manifest, _ = load_checkpoint(str(tmp_path / "checkpoints"), emus, rank=0)
-    assert manifest.step == 2
 
 
 @pytest.mark.parametrize(
