@@ -1,16 +1,18 @@
-"""Human- and machine-readable views of a checkpoint root (for ``nereus inspect``)."""
+"""Human- and machine-readable views of a checkpoint root (for ``nereus inspect``): its
+checkpoints, one manifest, and the job record (plans and transitions) when there is one."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import os
+from collections.abc import Mapping
 
 from nereus.reshard.layout import TensorLayout
 
 from .checkpoint import CheckpointStore, normalize_root
 from .errors import StoreError
 from .hf import is_hf_dir
-from .records import Manifest, manifest_to_dict
+from .records import JOB_KEY, Manifest, job_from_dict, manifest_to_dict, plan_key
 
 
 def open_root(path: str) -> CheckpointStore:
@@ -27,7 +29,9 @@ def manifest_json(path: str, step: int | None = None) -> dict:
     """The manifest record as stored, plus the list of committed steps."""
     store = open_root(path)
     manifest = store.manifest(step)
-    return {"root": store.root, "steps": store.steps(), "manifest": manifest_to_dict(manifest)}
+    job = store.meta.get(JOB_KEY)
+    return {"root": store.root, "steps": store.steps(), "manifest": manifest_to_dict(manifest),
+            **({"job": job.value} if job is not None else {})}
 
 
 def _size(n: float) -> str:
@@ -79,8 +83,43 @@ def describe_manifest(m: Manifest) -> str:
     return "\n".join(lines).rstrip()
 
 
+def _layout(sc: Mapping) -> str:
+    """``dp2·tp2·pp1`` and what else a stage config sets (FSDP, micro-batches, recompute)."""
+    text = "·".join(f"{k}{sc.get(k, 1)}" for k in ("dp", "tp", "pp"))
+    extra = [f"{k}={sc[k]}" for k in ("dp_shard", "micro_batch_size", "micro_batch_tokens", "recompute", "ranks")
+             if sc.get(k) not in (None, False, "none")]
+    return text + (f" ({', '.join(extra)})" if extra else "")
+
+
+def describe_job(store: CheckpointStore) -> str:
+    """The job record: the plans the job ran, each by its model-stages' layouts, and its
+    changes of plan with their predicted and measured seconds ("" when there is no record)."""
+    entry = store.meta.get(JOB_KEY)
+    if entry is None:
+        return ""
+    job = job_from_dict(JOB_KEY, entry.value)
+    lines = [f"job: {len(job.plans)} plan(s), {len(job.transitions)} transition(s)", ""]
+    rows = [["plan", "model-stage layouts"]]
+    for i in job.plans:
+        plan = store.meta.get(plan_key(i))
+        config = plan.value.get("config", {}) if plan is not None else {}
+        stages = [f"{m}.{st} {_layout(sc)}" for m, by in config.items() if isinstance(by, Mapping)
+                  for st, sc in by.items() if isinstance(sc, Mapping)]
+        rows.append([str(i), "; ".join(stages) or "(no record)"])
+    lines += [table(rows), ""]
+    if job.transitions:
+        rows = [["after step", "from", "to", "mode", "predicted s", "measured s", "bytes"]]
+        for t in job.transitions:
+            rows.append([str(t.step), str(t.from_plan), str(t.to_plan), t.mode, f"{t.predicted_s:.3f}", f"{t.measured_s:.3f}",
+                         _size(t.nbytes)])
+        lines += [table(rows), ""]
+    return "\n".join(lines).rstrip()
+
+
 def describe(path: str, step: int | None = None) -> str:
     store = open_root(path)
     steps = store.steps()
     manifest = store.manifest(step)
-    return f"{store.root}: {len(steps)} committed checkpoint(s) at steps {steps}\n" + describe_manifest(manifest)
+    job = describe_job(store)
+    return (f"{store.root}: {len(steps)} committed checkpoint(s) at steps {steps}\n" + describe_manifest(manifest)
+            + (f"\n\n{job}" if job else ""))

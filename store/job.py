@@ -15,7 +15,7 @@ from nereus.reshard.layout import EMU
 
 from .errors import ConflictError, StoreError
 from .kv import ABSENT, MetaStore
-from .records import JOB_KEY, JobRecord, Transition, job_from_dict, job_to_dict, plan_emus, plan_key, plan_record
+from .records import JOB_KEY, PLAN_PREFIX, JobRecord, Transition, job_from_dict, job_to_dict, plan_emus, plan_key, plan_record
 
 RETRIES = 50
 
@@ -31,6 +31,39 @@ def record_job(store: MetaStore, config: Mapping) -> JobRecord:
     except ConflictError:
         return job_from_dict(JOB_KEY, store.get(JOB_KEY).value)
     return job
+
+
+def start_job(store: MetaStore, config: Mapping, *, step: int) -> JobRecord:
+    """A job (re)starting at ``step`` (0: a fresh run) with the resolved ``config``, in one
+    compare-and-swap: a fresh run begins a new history; a resumed one keeps the plans and the
+    transitions up to ``step`` (those after it belong to steps the resumed run does again,
+    as ``metrics.jsonl`` is cut back) and takes ``config`` as the job's config."""
+    if store.get(JOB_KEY) is None:
+        record_job(store, config)
+
+    def change(job: JobRecord) -> tuple[JobRecord, dict]:
+        if step == 0:
+            return JobRecord(config=dict(config)), {}
+        return replace(job, config=dict(config), transitions=tuple(t for t in job.transitions if t.step <= step)), {}
+
+    return _update_job(store, change)
+
+
+def running_plan(job: JobRecord) -> int | None:
+    """The index of the plan the job ran last: the last transition's destination, else the
+    history's first plan (every later plan is entered by a transition); None before any
+    plan was recorded."""
+    if job.transitions:
+        return job.transitions[-1].to_plan
+    return job.plans[0] if job.plans else None
+
+
+def plan_config(store: MetaStore, index: int) -> dict:
+    """The config a plan record was written with."""
+    entry = store.get(plan_key(index))
+    if entry is None:
+        raise StoreError(f"{store.url}: no plan record {plan_key(index)!r}")
+    return dict(entry.value.get("config", {}))
 
 
 def read_job(store: MetaStore) -> JobRecord:
@@ -61,7 +94,9 @@ def record_plan(store: MetaStore, emus: Sequence[EMU], config: Mapping | None = 
     chosen: list[int] = []
 
     def change(job: JobRecord) -> tuple[JobRecord, dict]:
-        index = (max(job.plans) + 1) if job.plans else 0
+        # past every plan record there is, not only the history's: a fresh start's history is
+        # empty while an earlier run's plans/ remain (create-only keys: never reused)
+        index = max([*job.plans, *(int(k[len(PLAN_PREFIX):]) for k in store.keys(PLAN_PREFIX))], default=-1) + 1
         chosen[:] = [index]
         return replace(job, plans=job.plans + (index,)), {plan_key(index): plan_record(index, emus, config)}
 

@@ -782,9 +782,16 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
         cfg = trainer.cfg
         rank0 = trainer.rank == 0
         log = MetricsLog(cfg.run_dir, total=cfg.steps, first_step=first, settings=cfg.logging, config=config_to_dict(cfg)) if rank0 else None
-        if rank0:  # the resolved config (``nereus report`` reads the budget from it)
+        book = None
+        if rank0:  # the resolved config (``nereus report`` reads the budget from it), and the store's job record
             with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
                 json.dump(config_to_dict(cfg), f, indent=1)
+            from nereus.store.checkpoint import CheckpointStore
+
+            from .job_record import JobBook
+
+            book = JobBook(CheckpointStore(trainer.checkpoint_root()).meta)
+            book.start(cfg, first, restore_s=(record or {}).get("restore_s", 0.0))
         staging, why_off = staging_mode(cfg)
         if why_off and rank0:
             print(f"nereus: {why_off}", file=sys.stderr, flush=True)
@@ -792,7 +799,7 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
         if stager is not None and not stager.enabled:
             stager.close()
             stager = None
-        control = JobControl(trainer, first) if cfg.controller.enabled else None
+        control = JobControl(trainer, first, book) if cfg.controller.enabled else None
         last: dict = {}
         validate_every = cfg.validation.every
         finished = False  # the trackers record a run that stopped on an error as failed
@@ -909,11 +916,11 @@ class JobControl:
     """The controller's seam in the step loop, on every rank: rank 0 observes and decides,
     every rank applies the decision it broadcasts (module docstring of ``controller``)."""
 
-    def __init__(self, trainer: Trainer, first_step: int) -> None:
+    def __init__(self, trainer: Trainer, first_step: int, book=None) -> None:
         from .controller.online import Controller
         from .controller.profiles import load_profile
 
-        self.trainer = trainer
+        self.trainer, self.book = trainer, book  # book: rank 0's ``job_record.JobBook``
         self.controller = None
         if trainer.rank == 0:
             self.controller = Controller(trainer.cfg, load_profile(trainer.cfg.device_profile),
@@ -962,6 +969,9 @@ class JobControl:
             release_freed_memory(trainer.device)
             if self.controller is not None:
                 self.controller.transitioned(decision, done)
+            if self.book is not None and "error" not in done:
+                self.book.transitioned(trainer.cfg, int(metrics["step"]), predicted_s=decision.transition_seconds,
+                                       measured_s=done["seconds"], nbytes=done["bytes"])
         if self.controller is not None:
             trainer.extra_state["controller"] = self.controller.state_dict()
 

@@ -4,7 +4,8 @@
 checkpoint (a controller may have changed it since the config was written):
 ``resumed_plan``. ``nereus resume RUN_DIR [--nproc N] [--set ...]`` continues it on any
 number of processes: ``resume_config`` rebuilds the job from the run's resolved config
-(``RUN_DIR/config.json``, written at every start), and
+(the store's job record, ``trainer/job_record.py``, updated at every start; else
+``RUN_DIR/config.json``, written at every start too), and
 
 - with ``--set plan...``: the checkpoint's plan with those keys changed, validated;
 - else, if the checkpoint's plan runs on N ranks: that plan;
@@ -36,6 +37,19 @@ def _saved_plan(run_dir: str) -> Mapping | None:
     return store.manifest().plan if store.steps() else None
 
 
+def _job_config(run_dir: str) -> dict | None:
+    """The resolved config of the store's job record under ``run_dir`` (its last start's);
+    None when the run has no record (a run from before the record existed)."""
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.store.records import JOB_KEY
+
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(os.path.join(root, "meta")):  # opening a store would create one
+        return None
+    entry = CheckpointStore(root).meta.get(JOB_KEY)
+    return dict(entry.value["config"]) if entry is not None and isinstance(entry.value.get("config"), dict) else None
+
+
 def resumed_plan(cfg: JobConfig) -> JobConfig:
     """``cfg`` in the plan its latest committed checkpoint was saved in (every rank reads the
     same store); the config's own plan when the checkpoint names none."""
@@ -59,14 +73,16 @@ def runs_on(plan: PlanConfig, nproc: int) -> bool:
 def resume_config(run_dir: str, *, nproc: int | None = None, overrides: Sequence[str] = ()) -> tuple[JobConfig, str]:
     """The config ``nereus resume`` continues ``run_dir``'s job with, and how its plan was
     chosen (module docstring). Errors name the run dir: no run there, no checkpoint."""
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{run_dir}: no config.json, so no `nereus train` run to resume here")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the run's config ({e})") from None
+    data = _job_config(run_dir)
+    if data is None:
+        path = os.path.join(run_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{run_dir}: no config.json, so no `nereus train` run to resume here")
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read the run's config ({e})") from None
     saved = _saved_plan(run_dir)
     if saved is None:
         raise FileNotFoundError(f"{run_dir}: no committed checkpoint to resume from")

@@ -155,3 +155,32 @@ def test_plans_recorded_concurrently_get_distinct_indices(tmp_path):
     job = record_transition(store, Transition(step=3, from_plan=0, to_plan=1, predicted_s=1.5, measured_s=1.7, nbytes=10))
     assert read_job(store) == job and sorted(job.plans) == indices and job.config == {"lr": 1e-5}
     assert read_plan(store, 7)[0].config.tp == 2
+
+
+def test_a_restart_keeps_the_history_up_to_its_step_and_a_fresh_run_starts_a_new_one(tmp_path):
+    """``start_job``: a resume at step 4 drops the transitions after it (the steps it redoes)
+    and takes the start's config; a fresh run empties the history, and its plans are numbered
+    past the earlier run's records (plans/<i> are create-only: a reused index would conflict)."""
+    from nereus.reshard.derive import DecoderSpec, derive_emus
+    from nereus.reshard.layout import ParallelConfig
+    from nereus.store.job import plan_config, read_job, record_plan, record_transition, running_plan, start_job
+    from nereus.store.records import Transition
+
+    store = MetaStore.open(str(tmp_path / "root"))
+    spec = DecoderSpec(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=2)
+    emus = derive_emus(spec, ParallelConfig.on(tp=2), model="actor", stage="train")
+    job = start_job(store, {"steps": 8}, step=0)
+    assert job.plans == () and running_plan(job) is None
+    plans = [record_plan(store, emus, {"n": n}) for n in range(3)]
+    for step, (a, b) in zip((2, 5), zip(plans, plans[1:])):
+        record_transition(store, Transition(step=step, from_plan=a, to_plan=b, predicted_s=0.5, measured_s=0.7))
+    assert running_plan(read_job(store)) == plans[2]
+
+    resumed = start_job(store, {"steps": 12}, step=4)
+    assert [t.step for t in resumed.transitions] == [2] and resumed.config == {"steps": 12}
+    assert resumed.plans == tuple(plans) and running_plan(resumed) == plans[1] and plan_config(store, plans[1]) == {"n": 1}
+    assert read_job(store) == resumed
+
+    fresh = start_job(store, {"steps": 3}, step=0)
+    assert fresh.plans == () and fresh.transitions == () and fresh.config == {"steps": 3}
+    assert record_plan(store, emus, {"n": 9}) == 3 and running_plan(read_job(store)) == 3

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from nereus.cli.app import app
 from nereus.store.checkpoint import CheckpointStore, load_checkpoint
+from nereus.store.job import plan_config, read_job
 from nereus.trainer.config import load_config
 from nereus.trainer.resume import resume_config, runs_on
 
@@ -61,6 +62,8 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_bit_for_bit(whole, tmp_p
     keys = ("step", *KEYS)
     assert [[r[k] for k in keys] for r in metrics(split)] == [[r[k] for k in keys] for r in metrics(whole)]  # each step once
     assert CheckpointStore(str(split / "checkpoints")).steps() == [2, 4]
+    job = read_job(CheckpointStore(str(split / "checkpoints")).meta)
+    assert job.transitions == () and len(job.plans) == 1  # the same plan throughout
 
 
 @pytest.mark.timeout(600)
@@ -86,7 +89,13 @@ def test_a_job_resumed_on_two_processes_repeats_the_four_process_run(whole, tmp_
     for a, b in zip(ours[2:], ref[2:]):
         for k in KEYS:
             assert math.isclose(a[k], b[k], rel_tol=1e-9, abs_tol=1e-12), f"step {a['step']} {k}: {a[k]} vs {b[k]}"
-    assert CheckpointStore(str(split / "checkpoints")).steps() == [2, 4]
+    store = CheckpointStore(str(split / "checkpoints"))
+    assert store.steps() == [2, 4]
+    job = read_job(store.meta)  # the store's job record: the resume's config, and the move to the 2-rank plan
+    assert job.config["nproc"] == 2 and len(job.plans) == 2
+    [move] = job.transitions
+    assert (move.step, move.from_plan, move.to_plan, move.mode) == (2, job.plans[0], job.plans[1], "resume") and move.measured_s > 0
+    assert plan_config(store.meta, move.to_plan) == store.manifest().plan != plan_config(store.meta, move.from_plan)
 
 
 @pytest.mark.timeout(600)

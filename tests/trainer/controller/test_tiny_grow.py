@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from nereus.cli.app import app
 from nereus.store.checkpoint import CheckpointStore
+from nereus.store.job import plan_config, read_job
 from nereus.trainer.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -27,6 +28,11 @@ def train(*args: str):
 
 def lines(path) -> list[dict]:
     return [json.loads(x) for x in open(path)]
+
+
+def metrics_plan(run_dir) -> dict:
+    """The plan the run ended in, as its last checkpoint holds it."""
+    return CheckpointStore(str(run_dir / "checkpoints")).manifest().plan
 
 
 @pytest.mark.slow
@@ -87,6 +93,16 @@ def test_resume_after_a_transition_restarts_in_the_new_plan_and_repeats_the_loss
         assert [(e["step"], e.get("kind")) for e in lines(split / log)] == [(e["step"], e.get("kind")) for e in lines(whole / log)], log
     keys = ("step", "actor/loss", "actor/grad_norm", "reward_mean", "kl")
     assert [[r[k] for k in keys] for r in b] == [[r[k] for k in keys] for r in a]
+    # the store's job record: every move with its measured cost; the resumed run's history
+    # cut back to step 8 and the later moves recorded again, into the same plans
+    stores = [CheckpointStore(str(d / "checkpoints")).meta for d in (whole, split)]
+    jw, js = (read_job(m) for m in stores)
+    assert [(t.step, t.mode, t.measured_s) for t in jw.transitions] == [(m["step"], "stream", m["measured_s"]) for m in moves]
+    assert [(t.step, t.mode) for t in js.transitions] == [(t.step, t.mode) for t in jw.transitions]
+    assert [plan_config(stores[1], t.to_plan) for t in js.transitions] == [plan_config(stores[0], t.to_plan) for t in jw.transitions]
+    assert plan_config(stores[0], jw.transitions[-1].to_plan) == metrics_plan(whole)
+    shown = runner.invoke(app, ["inspect", str(split / "checkpoints")])
+    assert shown.exit_code == 0 and f"job: {len(js.plans)} plan(s), {len(js.transitions)} transition(s)" in shown.output, shown.output
     # nereus report on a job still writing (a torn last line): plots and a summary
     with open(whole / "metrics.jsonl", "a") as f:
         f.write('{"step": 13, "reward_me')
