@@ -44,6 +44,26 @@ RECOMPUTE = ("none", "selective", "full")
 """Activation recompute modes, by their index in ``Candidates.recompute``."""
 
 
+DERIVED = 64
+"""How many derived terms a candidate set keeps (``Candidates.derived``)."""
+
+
+def read_only(value):
+    """``value`` with its arrays made read-only: at the top, in a tuple or list, or a
+    dataclass's fields (a shared cached term a caller could otherwise change in place for
+    every later caller). A dict is left as it is (a memo, filled later: ``memory.memory_at``
+    makes its own entries read-only)."""
+    if isinstance(value, np.ndarray):
+        value.flags.writeable = False
+    elif isinstance(value, (tuple, list)):
+        for x in value:
+            read_only(x)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            read_only(getattr(value, f.name))
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class Candidates:
     """A model-stage's candidate stage configs: the distinct layouts, and per candidate (one
@@ -101,10 +121,19 @@ class Candidates:
 
     def derived(self, key, fn):
         """``fn()``, computed once per ``key`` for these candidates (the models' per-layout
-        terms, shared by the features of a stage's modes and its memory)."""
-        if key not in self._derived:
-            self._derived[key] = fn()
-        return self._derived[key]
+        terms, shared by the features of a stage's modes and its memory). The last
+        ``DERIVED`` keys used are kept: a long-lived candidate set (``kept_of``: the running
+        plan's stages) is priced for every config a job moves through, and a dropped entry is
+        only computed again (a pure function of its key). Arrays come back read-only: they
+        are shared by every later caller."""
+        kept = self._derived
+        if key in kept:
+            kept[key] = kept.pop(key)  # the most recently used last
+            return kept[key]
+        value = kept[key] = read_only(fn())
+        while len(kept) > DERIVED:
+            del kept[next(iter(kept))]
+        return value
 
     def elements(self, spec) -> np.ndarray:
         """``memory.local_elements`` of every layout, [layouts, its largest pp] (0 past a layout's pp)."""
@@ -137,6 +166,14 @@ class Candidates:
         return self.per_layout(lambda sc: sc.dp_shard and sc.dp > 1, bool)
 
 
+@functools.lru_cache(maxsize=4096)
+def kept_of(configs: tuple[StageConfig, ...]) -> Candidates:
+    """``Candidates.of(configs)``, kept: what the models derive for them once (``derived``:
+    per-layout terms, the terms that do not depend on the lengths) then serves every later
+    pricing of the same configs — a running plan's stages are priced every step."""
+    return Candidates.of(configs)
+
+
 def layout_of(sc: StageConfig) -> StageConfig:
     """``sc`` with what a running stage retunes in place at its neutral values (``transition.RETUNED``)."""
     from .transition import RETUNED
@@ -161,7 +198,8 @@ class Batching:
     documents: np.ndarray
 
 
-def micro_batching(rows: np.ndarray, pp: np.ndarray, size: np.ndarray, budget: np.ndarray, width: int, row_tokens: float) -> Batching:
+def micro_batching(rows: np.ndarray, pp: np.ndarray, size: np.ndarray, budget: np.ndarray, width: int, row_tokens: float,
+                   *, fixed: FixedBatching | None = None) -> Batching:
     """A replica of ``rows`` rows, elementwise over candidates of ``micro_batch_size`` ``size``
     and ``micro_batch_tokens`` ``budget`` (0: none) — the module docstring; ``row_tokens``:
     the mean real tokens of a row (the memory model passes ``width``: every row full).
@@ -169,27 +207,60 @@ def micro_batching(rows: np.ndarray, pp: np.ndarray, size: np.ndarray, budget: n
     Packs as ``stages._pack`` makes them: as many as the budget needs, and under a pipeline
     at least ``min(pp, rows)``. Without a pipeline each pack runs at its own length (the
     packs' tokens sum to the real tokens); a pipeline runs every pack at the widest one's
-    (``Packing.model_inputs``): the budget when the budget set the count, else an even share."""
-    # without a size: the largest divisor of the rows that is at most pp (StageConfig.micro_batches)
-    n = per_unique(_filled, rows, pp).reshape(rows.shape)
-    n = np.where(size > 0, np.maximum(1, rows // np.maximum(size, 1)), n)
-    n = np.where(rows < 1, 1, n)
-    tokens = -(-rows // n) * width
+    (``Packing.model_inputs``): the budget when the budget set the count, else an even share.
+    ``fixed``: ``FixedBatching.of(rows, pp, size, budget)``, if at hand (what does not depend on
+    the lengths); the packed candidates' terms are computed on those candidates only."""
+    f = fixed if fixed is not None else FixedBatching.of(rows, pp, size, budget)
+    tokens = f.per * width
     wide = np.full(rows.shape, width, dtype=np.int64)
     one = np.ones(rows.shape, dtype=np.int64)
-    packed = budget > 0
-    if not packed.any():
-        return Batching(count=n, tokens=tokens, peak=tokens, span=wide, mask=wide, documents=one)
-    real = rows * float(row_tokens)
-    cap = np.maximum(budget, 1)
-    needed = np.maximum(1, np.ceil(real / cap)).astype(np.int64)
-    packs = np.maximum(needed, np.where(pp > 1, np.minimum(pp, np.maximum(rows, 1)), 1))
-    largest = np.minimum(cap, real)
-    run = np.where(pp > 1, np.where(packs > needed, np.minimum(cap, -(-rows // packs) * float(row_tokens)), largest), real / packs)
-    return Batching(count=np.where(packed, packs, n), tokens=np.where(packed, run, tokens),
-                    peak=np.where(packed, np.where(pp > 1, run, largest), tokens),  # a pipeline: every pack at the widest's
-                    span=np.where(packed, min(float(row_tokens), width), wide), mask=np.where(packed, 0, wide),
-                    documents=np.where(packed, -(-rows // packs), one))
+    if not len(f.at):
+        return Batching(count=f.count, tokens=tokens, peak=tokens, span=wide, mask=wide, documents=one)
+    real = f.rows * float(row_tokens)
+    needed = np.maximum(1, np.ceil(real / f.cap)).astype(np.int64)
+    packs = np.maximum(needed, f.least)
+    largest = np.minimum(f.cap, real)
+    run = np.where(f.piped, np.where(packs > needed, np.minimum(f.cap, -(-f.rows // packs) * float(row_tokens)), largest), real / packs)
+    count, documents = f.count.copy(), one
+    count[f.at], documents[f.at] = packs, -(-f.rows // packs)
+    ran, peak = tokens.astype(np.float64), tokens.astype(np.float64)  # (as np.where(packed, run, tokens) promotes them)
+    ran[f.at], peak[f.at] = run, np.where(f.piped, run, largest)  # a pipeline: every pack at the widest's
+    return Batching(count=count, tokens=ran, peak=peak, span=np.where(f.packed, min(float(row_tokens), width), wide),
+                    mask=np.where(f.packed, 0, wide), documents=documents)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FixedBatching:
+    """What ``micro_batching`` takes from the candidates alone: the count and rows per
+    micro-batch of the padded ones, and of the packed ones (``at``) their rows, token budget
+    (``cap``), the fewest packs a pipeline takes (``least``) and whether they are pipelined."""
+
+    count: np.ndarray
+    per: np.ndarray
+    packed: np.ndarray
+    at: np.ndarray
+    rows: np.ndarray
+    cap: np.ndarray
+    least: np.ndarray
+    piped: np.ndarray
+
+    @classmethod
+    def of(cls, rows: np.ndarray, pp: np.ndarray, size: np.ndarray, budget: np.ndarray) -> FixedBatching:
+        # without a size: the largest divisor of the rows that is at most pp (StageConfig.micro_batches)
+        n = filled_micro_batches(rows, pp)
+        n = np.where(size > 0, np.maximum(1, rows // np.maximum(size, 1)), n)
+        n = np.where(rows < 1, 1, n)
+        packed = budget > 0
+        at = np.flatnonzero(packed)
+        r, p = rows[at], pp[at]
+        return cls(count=n, per=-(-rows // n), packed=packed, at=at, rows=r, cap=np.maximum(budget[at], 1),
+                   least=np.where(p > 1, np.minimum(p, np.maximum(r, 1)), 1), piped=p > 1)
+
+
+def filled_micro_batches(rows: np.ndarray, pp: np.ndarray) -> np.ndarray:
+    """Micro-batches of a replica of ``rows`` rows without a size: the largest divisor of the
+    rows that is at most pp (``StageConfig.micro_batches``), elementwise."""
+    return per_unique(_filled, rows, pp).reshape(rows.shape)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -77,7 +77,7 @@ from nereus.reshard.derive import plan_layer_ranges, plan_parameters
 from nereus.reshard.layout import itemsize
 
 from ..config import ConfigError, JobConfig, StageConfig
-from .candidates import RECOMPUTE, Candidates, micro_batching, per_unique, stage_layers
+from .candidates import RECOMPUTE, Candidates, FixedBatching, read_only, kept_of, micro_batching, per_unique, stage_layers
 
 HEADROOM = 1.10
 GIB = 1 << 30
@@ -140,7 +140,8 @@ def pipeline_memory(
 @functools.lru_cache(maxsize=4096)
 def _pipeline_memory(cfg: JobConfig, key: str, sc: StageConfig, seq: int | None, ends: bool) -> tuple[StageMemory, ...]:
     stages = np.array(sorted({0, sc.pp - 1}) if ends else range(sc.pp), dtype=np.int64)
-    resident, transient = memory_at(cfg, key, Candidates.of([sc]), np.zeros(len(stages), dtype=np.int64), stages, seq=seq)
+    c = kept_of((sc,))  # its terms that do not depend on seq kept with it (memo): a plan's memory is priced at every step's width
+    resident, transient = memory_at(cfg, key, c, np.zeros(len(stages), dtype=np.int64), stages, seq=seq, memo=("pipeline", cfg, key, ends))
     return tuple(StageMemory(stage=key, resident=int(r), transient=int(t)) for r, t in zip(resident.tolist(), transient.tolist()))
 
 
@@ -149,23 +150,32 @@ def candidate_memory(cfg: JobConfig, key: str, c: Candidates, *, seq: int | None
     pipeline stages': the first and the last (``pipeline_memory(ends=True)``, which bound
     the middle ones), and under ``selective`` recompute every stage (a middle stage may hold
     fewer checkpointed blocks than the first), all at once."""
+    from ..stage_args import model_args
+
+    n = len(c)
+    layers = (args or model_args(cfg, key)).spec.num_layers
+    which, stage = c.derived(("memory rows", layers), lambda: _memory_rows(c, layers))
+    memo = ("memory", cfg, key, layers)  # the terms of (which, stage) that do not depend on seq, kept with c
+    resident, transient = memory_at(cfg, key, c, which, stage, seq=seq, args=args, memo=memo)
+    out_r, out_t = resident[:n].copy(), transient[:n].copy()
+    np.maximum.at(out_r, which[n:], resident[n:])
+    np.maximum.at(out_t, which[n:], transient[n:])
+    return out_r, out_t
+
+
+def _memory_rows(c: Candidates, layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate, pipeline stage) of the rows ``candidate_memory`` prices: every candidate's
+    first stage (the first ``len(c)`` rows, in order), then the last stage of a pipeline and,
+    under ``selective``, the first middle stage of each (blocks, checkpointed blocks)."""
     n = len(c)
     every = np.flatnonzero((c.pp > 2) & (c.recompute == RECOMPUTE.index("selective")))
     which = [np.arange(n), np.flatnonzero(c.pp > 1)]  # one pipeline stage: the first is the last
     stage = [np.zeros(n, dtype=np.int64), c.pp[which[1]] - 1]
     if len(every):  # of the middle stages, the first of each (blocks, checkpointed blocks): it has the most in flight
-        from ..stage_args import model_args
-
-        layers = (args or model_args(cfg, key)).spec.num_layers
         middle = [_middle_stages(layers, pp) for pp in c.pp[every].tolist()]
         which.append(np.repeat(every, [len(m) for m in middle]))
         stage.append(np.array([x for m in middle for x in m], dtype=np.int64))
-    which, stage = np.concatenate(which), np.concatenate(stage)
-    resident, transient = memory_at(cfg, key, c, which, stage, seq=seq, args=args)
-    out_r, out_t = resident[:n].copy(), transient[:n].copy()
-    np.maximum.at(out_r, which[n:], resident[n:])
-    np.maximum.at(out_t, which[n:], transient[n:])
-    return out_r, out_t
+    return np.concatenate(which), np.concatenate(stage)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -180,10 +190,12 @@ def _middle_stages(layers: int, pp: int) -> tuple[int, ...]:
 
 
 def memory_at(
-    cfg: JobConfig, key: str, c: Candidates, which: np.ndarray, stage: np.ndarray, *, seq: int | None = None, args=None
+    cfg: JobConfig, key: str, c: Candidates, which: np.ndarray, stage: np.ndarray, *, seq: int | None = None, args=None, memo=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(resident, transient) bytes (int64) of one rank of pipeline stage ``stage[i]`` of
-    candidate ``which[i]``: the module docstring's terms, elementwise."""
+    candidate ``which[i]``: the module docstring's terms, elementwise. ``memo``: a key that
+    names (cfg, key, which, stage) for ``c.derived``, which then keeps the terms that do not
+    depend on ``seq`` (the same expressions, evaluated once: the results are bit-identical)."""
     from ..stage_args import model_args
 
     args = args or model_args(cfg, key)
@@ -191,26 +203,39 @@ def memory_at(
     train = key.endswith(".train")
     size = itemsize(args.compute)
     seq = seq or args.max_seq_len
-    layout, tp, pp, dp = c.layout[which], c.tp[which], c.pp[which], c.dp[which]
+
+    terms = c.derived(memo, dict) if memo is not None else None  # (one lookup of the memo: it holds the config)
+
+    def kept_with_c(name, fn):
+        if terms is None:
+            return fn()
+        if name not in terms:
+            terms[name] = read_only(fn())
+        return terms[name]
+
+    layout, tp, pp, dp = kept_with_c("layout", lambda: (c.layout[which], c.tp[which], c.pp[which], c.dp[which]))
     rows = -(-(cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo).minibatch_size // dp) if train else -(-cfg.batch_size // dp)
     if key == "actor.gen" and cfg.rollout.engine == "vllm":
         share = int(cfg.rollout.gpu_memory_utilization * (cfg.device_memory_gib or 0) * GIB)
         return np.zeros(len(which), dtype=np.int64), np.full(len(which), share, dtype=np.int64)  # asleep outside generation
-    layers, ck = per_unique(lambda pp, p, r: stage_layers(spec.num_layers, pp, p, RECOMPUTE[r]), pp, stage, c.recompute[which]).T
-    weights = c.elements(spec)[layout, stage] * itemsize(spec.dtype)
+    layers, ck = kept_with_c("layers", lambda: per_unique(lambda pp, p, r: stage_layers(spec.num_layers, pp, p, RECOMPUTE[r]),
+                                                          pp, stage, c.recompute[which]).T)
+    weights = kept_with_c("weights", lambda: c.elements(spec)[layout, stage] * itemsize(spec.dtype))
     last = stage == pp - 1
     if key.endswith(".gen"):
         kv_local = np.maximum(spec.num_kv_heads // tp, 1)
         transient = 2 * layers * kv_local * spec.dim_head * rows * seq * size
         if spec.head == "lm":
             transient = transient + rows * spec.vocab_size * (size + 4)
-        return weights, transient.astype(np.int64)
+        return weights.copy(), transient.astype(np.int64)
     head_bytes = logits_bytes(args.compute, cfg.rollout.temperature)
+    size_, budget, fsdp = kept_with_c("knobs", lambda: (c.micro_batch_size[which], c.micro_batch_tokens[which], c.fsdp[which]))
 
     def transient_of(rows, train: bool):
-        batching = micro_batching(rows, pp, c.micro_batch_size[which], c.micro_batch_tokens[which], seq, seq)
+        fixed = kept_with_c(("batching", train), lambda: FixedBatching.of(rows, pp, size_, budget))
+        batching = micro_batching(rows, pp, size_, budget, seq, seq, fixed=fixed)
         n, tokens = batching.count, batching.peak
-        per_layer = activation_bytes(spec, tp, args.compute, train=train)
+        per_layer = kept_with_c(("per layer", train), lambda: activation_bytes(spec, tp, args.compute, train=train))
         shared = tokens * (2 * spec.dim_head * size + batching.mask)  # RoPE's cos/sin tables, the bool attention mask (padded rows)
         per_logit = head_bytes + np.where(batching.mask == 0, size, 0)  # a pack's response positions' logits, gathered (a copy)
         head = np.where(last, tokens * (spec.vocab_size // tp) * per_logit, 0) if spec.head == "lm" else np.zeros(len(which), np.int64)
@@ -218,18 +243,20 @@ def memory_at(
             # in flight: 1F1B keeps up to pp - stage micro-batches; GPipe (fewer micro-batches
             # than stages) runs every forward first, the last stage keeping each one's loss graph
             flight = np.where(n < pp, n, pp - stage)
-            kept = (layers - ck) * per_layer + ck * size * spec.hidden_size  # a checkpointed block keeps its input only
+            kept = kept_with_c("kept", lambda: (layers - ck) * per_layer + ck * size * spec.hidden_size)  # a checkpointed block keeps its input only
             out = (tokens * kept + shared) * flight + np.where(last, tokens * final_norm_bytes(spec, args.compute) * flight, 0)
             head, one_head = head * np.where(n < pp, n, 1), head
         else:
             out = tokens * per_layer + shared
         out = out + size * tokens * batching.mask  # SDPA's compute-dtype copy of the bool mask, while one attention runs
-        out = out + weight_workspace(args, tp, weights, train=train, fsdp=c.fsdp[which]) + head
+        workspace = kept_with_c(("workspace", train), lambda: weight_workspace(args, tp, weights, train=train, fsdp=fsdp))
+        out = out + workspace + head
         if train:  # a block's backward, once the head's logits are freed: its gradient temporaries, and
             # the block's activations again where it is checkpointed (one block at a time)
             # (under GPipe the first backward has freed one micro-batch's logits, not all)
             freed = one_head + np.where(last, tokens * final_norm_bytes(spec, args.compute), 0)
-            block = tokens * (gradient_bytes(spec, tp, args.compute) + np.where(ck > 0, per_layer, 0))
+            grads = kept_with_c("block", lambda: gradient_bytes(spec, tp, args.compute) + np.where(ck > 0, per_layer, 0))
+            block = tokens * grads
             out = out + np.maximum(0, block - freed)
         return out
 
@@ -252,16 +279,27 @@ def plan_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> dict[in
 
 def distinct_ranks(cfg: JobConfig, plans: tuple, *, seq: int | None = None) -> list[tuple[tuple[tuple[StageMemory, ...], ...], np.ndarray]]:
     """The ranks of ``plans`` grouped by what they hold: per group, each plan's StageMemory of
-    every model-stage the group's ranks hold (in the plan's order), and those ranks. Ranks
-    of one pipeline stage of every model-stage hold alike: a 1,024-rank plan has a few groups."""
-    mems, columns = [], []
-    for k, plan in enumerate(plans):
-        for key, sc in plan.stages().items():
-            ranks = np.array(sc.ranks, dtype=np.int64) if sc.ranks is not None else np.arange(cfg.nproc)
-            column = np.full(max(cfg.nproc, int(ranks.max()) + 1), -1, dtype=np.int64)
-            column[ranks] = (np.arange(len(ranks)) // sc.tp) % sc.pp  # rank i of the stage's order: tp fastest, then pp
-            columns.append(column)
-            mems.append((k, pipeline_memory(cfg, key, sc, seq=seq)))
+    every model-stage the group's ranks hold (in the plan's order), and those ranks (read-only
+    arrays). Ranks of one pipeline stage of every model-stage hold alike: a 1,024-rank plan
+    has a few groups. The grouping depends on the ranks and (tp, pp) of the stages only:
+    it is kept per those (``_rank_groups``), the memory priced at ``seq`` each call."""
+    placed = tuple((k, key, sc.ranks, sc.tp, sc.pp) for k, plan in enumerate(plans) for key, sc in plan.stages().items())
+    mems = [(k, pipeline_memory(cfg, key, sc, seq=seq)) for k, plan in enumerate(plans) for key, sc in plan.stages().items()]
+    return [(tuple(tuple(m[p] for (j, m), p in zip(mems, row) if j == k and p >= 0) for k in range(len(plans))), ranks)
+            for row, ranks in _rank_groups(cfg.nproc, placed)]
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_groups(nproc: int, placed: tuple) -> tuple[tuple[list[int], np.ndarray], ...]:
+    """``distinct_ranks``'s groups: per group, the pipeline stage (-1: none) its ranks hold of
+    each (plan, model-stage, ranks, tp, pp) of ``placed``, and those ranks, in the order of
+    the rows (sorted)."""
+    columns = []
+    for _, _, explicit, tp, pp in placed:
+        ranks = np.array(explicit, dtype=np.int64) if explicit is not None else np.arange(nproc)
+        column = np.full(max(nproc, int(ranks.max()) + 1), -1, dtype=np.int64)
+        column[ranks] = (np.arange(len(ranks)) // tp) % pp  # rank i of the stage's order: tp fastest, then pp
+        columns.append(column)
     width = max(len(c) for c in columns)
     table = np.stack([np.pad(c, (0, width - len(c)), constant_values=-1) for c in columns], axis=1)  # [ranks, model-stages]
     held = np.flatnonzero((table >= 0).any(axis=1))
@@ -269,9 +307,10 @@ def distinct_ranks(cfg: JobConfig, plans: tuple, *, seq: int | None = None) -> l
     _, first, inverse = np.unique(table[held], axis=0, return_index=True, return_inverse=True)
     out = []
     for i, row in enumerate(table[held[first]].tolist()):
-        per_plan = tuple(tuple(m[p] for (j, m), p in zip(mems, row) if j == k and p >= 0) for k in range(len(plans)))
-        out.append((per_plan, held[inverse.ravel() == i]))
-    return out
+        ranks = held[inverse.ravel() == i]
+        ranks.flags.writeable = False  # shared by every call of the same placement
+        out.append((row, ranks))
+    return tuple(out)
 
 
 def rank_peak(stages: list[StageMemory]) -> tuple[int, StageMemory]:

@@ -35,10 +35,10 @@ import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
 from .admission import Decision, DriftWatch, admit
-from .memory import HEADROOM, distinct_ranks, gib, plan_memory
+from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
 from .search import MemoryFit, PlanChoice, device_budget, plan_seconds, rank_class, search
-from .steptime import Placement, StepTimeModel, stage_features, sync_features
+from .steptime import OP_CLASSES, Placement, StepTimeModel, stage_features, sync_features
 from .transition import TransitionModel, transition_peak
 from .workload import Workload
 
@@ -95,7 +95,7 @@ class Controller:
         self.model = StepTimeModel.for_profile(profile)
         self.memory = MemoryFit()
         self.transitions = TransitionModel()
-        self.samples: deque = deque(maxlen=4000)
+        self.samples = SampleRows(4000)  # the step-time samples seen, as the calibration's rows
         self.memory_samples: deque = deque(maxlen=400)
         self.transition_samples: list[tuple[float, int, float]] = []
         self.errors: deque = deque(maxlen=20)
@@ -139,12 +139,12 @@ class Controller:
             pieces[name] = {"predicted_s": predicted, "measured_s": record["seconds"]}
             predicted_total += predicted
             measured_total += record["seconds"]
-            self.samples.append((features, record["seconds"]))
+            self.samples.append(features, record["seconds"])
         error = abs(predicted_total - measured_total) / measured_total if measured_total > 0 else 0.0
         self.errors.append(error)
         memory = self._observe_memory(cfg, metrics, work)
         if self.settings.calibrate:
-            self.model = self.model.calibrate(list(self.samples))
+            self.model = self.model.calibrate_rows(self.samples.matrix())  # = calibrate() of the last 4,000 samples
         line = {
             "step": self.step, "pieces": pieces, "step_predicted_s": predicted_total, "step_measured_s": measured_total,
             "error": error, "mean_error": sum(self.errors) / len(self.errors), "memory": memory,
@@ -155,18 +155,26 @@ class Controller:
 
     def _observe_memory(self, cfg: JobConfig, metrics: dict, work: Workload) -> dict:
         """Predicted (before this step's correction) and measured peak per rank; refit."""
-        per_rank = plan_memory(cfg, seq=work.width)
-        measured = [max(r["peak_bytes"][rank] for r in metrics["stages"].values()) for rank in range(cfg.nproc)]
-        predicted, classes = [], []
-        terms: dict[tuple, tuple[int, int, str]] = {}  # ranks holding alike share their terms (1,024 ranks: a few)
-        for rank in range(cfg.nproc):
-            held = tuple(per_rank.get(rank, []))
-            if held not in terms:
-                terms[held] = _rank_terms(cfg.plan, list(held))
-            resident, transient, cls = terms[held]
-            predicted.append(self.memory.peak(resident, transient, cls))
-            classes.append(cls)
-            # each step starts from a trimmed heap (trainer/observe.py): every step's peak is its own
+        n = cfg.nproc
+        records = [r["peak_bytes"] for r in metrics["stages"].values()]
+        if records and all(len(p) >= n for p in records):  # per rank, the largest of its stages' (in their order, as max() over them)
+            measured = list(map(max, zip(*(p[:n] for p in records))))
+        else:
+            measured = [max(p[rank] for p in records) for rank in range(n)]
+        # ranks holding alike (a 1,024-rank plan: a few groups) share their terms; a rank holding nothing: the empty group
+        group = np.zeros(n, dtype=np.int64)
+        terms: list[tuple[int, int, str]] = [_rank_terms(cfg.plan, [])]
+        for i, ((held,), ranks) in enumerate(distinct_ranks(cfg, (cfg.plan,), seq=work.width), 1):
+            group[ranks[ranks < n]] = i
+            terms.append(_rank_terms(cfg.plan, list(held)))
+        peaks = [self.memory.peak(*t) for t in terms]
+        rows = group.tolist()
+        predicted, classes = [peaks[g] for g in rows], [terms[g][2] for g in rows]
+        # each step starts from a trimmed heap (trainer/observe.py): every step's peak is its own; of this
+        # step's samples (one per rank, in rank order) the bounded deque keeps the last maxlen only
+        keep = self.memory_samples.maxlen
+        for rank in range(max(0, n - keep) if keep is not None else 0, n):
+            resident, transient, cls = terms[rows[rank]]
             self.memory_samples.append((cls, resident, transient, measured[rank]))
         if self.settings.calibrate:
             self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
@@ -191,7 +199,6 @@ class Controller:
         ahead_steps = min(self.settings.lookahead, max(cfg.steps - self.step, 1))
         ahead = Workload.observed(cfg, self.lengths, ahead=ahead_steps, prompt_mean=self.prompt_mean)
         where = Placement(nproc=cfg.nproc, profile=self.profile)
-        old = self._predict(cfg, cfg.plan, ahead, where)
         triggers, urgent = [], False
         budget = device_budget(cfg, self.profile)
         if budget is not None and self._peak(cfg, cfg.plan, work) > budget:
@@ -205,6 +212,7 @@ class Controller:
         triggers += [f"drift:{name}" for name in drifted]
         if not triggers:
             return None
+        old = self._predict(cfg, cfg.plan, ahead, where)  # (pure: priced once a trigger fired)
         self.watch.reset(signals)
         horizon = max((self.watch.horizon(n) for n in drifted), default=1.0)
         common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
@@ -350,6 +358,32 @@ class Controller:
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, name), "a") as f:
             f.write(json.dumps(line, default=_json) + "\n")
+
+
+class SampleRows:
+    """The rows ``f / t`` that ``StepTimeModel.calibrate`` builds from a bounded deque of
+    (features, seconds) samples, kept as the deque keeps its samples (the same bound, the
+    same order; samples with t ≤ 0 held but left out): a refit after every step then costs
+    no rebuild of 4,000 rows of dicts. ``matrix()`` equals ``calibrate``'s own rows."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen, self.count = maxlen, 0
+        self.rows = np.zeros((maxlen, len(OP_CLASSES)))
+        self.valid = np.zeros(maxlen, dtype=bool)
+
+    def append(self, features, seconds: float) -> None:
+        i = self.count % self.maxlen
+        self.valid[i] = seconds > 0
+        if seconds > 0:
+            self.rows[i] = [features.get(k, 0.0) / seconds for k in OP_CLASSES]
+        self.count += 1
+
+    def matrix(self) -> np.ndarray:
+        if self.count <= self.maxlen:
+            return self.rows[: self.count][self.valid[: self.count]]
+        start = self.count % self.maxlen  # the oldest kept sample
+        order = np.r_[start:self.maxlen, 0:start]
+        return self.rows[order][self.valid[order]]
 
 
 def _json(x):

@@ -47,7 +47,8 @@ from nereus.reshard.errors import LayoutError
 
 from ..config import ConfigError, JobConfig, PlanConfig, StageConfig, longest_row
 from ..stage_args import model_args
-from .candidates import RECOMPUTE, Candidates
+from .candidates import RECOMPUTE, Candidates, kept_of
+from .classes import MemoryFit, _Classes, layout_kind, rank_class  # noqa: F401 - re-exported (online, simulate, tests)
 from .memory import GIB, HEADROOM, candidate_memory, forward_too, gib
 from .profiles import DeviceProfile
 from .steptime import Placement, StepTimeModel, candidate_features, candidate_sync_features
@@ -55,43 +56,6 @@ from .workload import Workload
 
 PLACEMENTS = ("colocated", "split")
 SYNCED = {"actor.gen": "actor.train", "critic.infer": "critic.train"}  # destination <- source of a weight sync
-
-
-def layout_kind(sc: StageConfig) -> str:
-    """What a training layout adds that the memory model may miss: FSDP2's buffers, TP's and
-    PP's communication buffers, recompute's and packing's temporaries (``MemoryFit``
-    corrects each kind apart), e.g. ``fsdp``, ``tp+full``, ``replicated+packed``."""
-    kind = ("fsdp" if sc.dp_shard else "") + ("tp" if sc.tp > 1 else "") + ("pp" if sc.pp > 1 else "")
-    extra = ([sc.recompute] if sc.recompute != "none" else []) + (["packed"] if sc.micro_batch_tokens else [])
-    return "+".join([kind or "replicated", *extra])
-
-
-def rank_class(stages) -> str:
-    """The memory class of a rank: the kinds of the training layouts it holds, e.g.
-    ``actor.train:fsdp,critic.train:tp`` (``stages``: (key, StageConfig or its
-    ``layout_kind``) pairs)."""
-    return ",".join(sorted(f"{key}:{sc if isinstance(sc, str) else layout_kind(sc)}" for key, sc in stages if key.endswith(".train")))
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryFit:
-    """The memory model's correction, fitted to measured peaks (``online.fit_memory``): a
-    rank of class ``c`` (``rank_class``) peaks at ``resident + transient + offsets[c]``. A
-    class the job has not run yet gets the largest offset measured plus ``unseen`` of the
-    model's own figure: its buffers are unknown until it runs. Before any step: the model."""
-
-    offsets: dict[str, float] = field(default_factory=dict)
-    unseen: float = 0.0
-
-    def terms(self, cls: str) -> tuple[float, float]:
-        """(offset, margin): the peak is ``(resident + transient) · (1 + margin) + offset``."""
-        if cls in self.offsets or not self.offsets:
-            return self.offsets.get(cls, 0.0), 0.0
-        return max(self.offsets.values()), self.unseen
-
-    def peak(self, resident: float, transient: float, cls: str = "") -> float:
-        offset, margin = self.terms(cls)
-        return (resident + transient) * (1.0 + margin) + offset
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +159,7 @@ def stage_seconds(cfg: JobConfig, key: str, sc: StageConfig, work: Workload, whe
     """Predicted seconds of model-stage ``key`` under ``sc``: the weight sync that fills it
     included, and for a training stage its own forward where the step runs one (the actor's
     old log-probs off-policy; the critic's values without a ``critic.infer``)."""
-    return float(candidate_seconds(cfg, key, Candidates.of([sc]), work, where, model, args)[0])
+    return float(candidate_seconds(cfg, key, kept_of((sc,)), work, where, model, args)[0])
 
 
 def candidate_seconds(cfg: JobConfig, key: str, c: Candidates, work: Workload, where: Placement, model: StepTimeModel, args=None) -> np.ndarray:
@@ -233,13 +197,18 @@ def price(cfg: JobConfig, key: str, c: Candidates, work: Workload, where: Placem
     """Every candidate of ``c`` priced by the step-time and memory models at the workload's width."""
     args = model_args(cfg, key)
     resident, transient = candidate_memory(cfg, key, c, seq=work.width, args=args)
+    kinds, kind = c.derived(("kinds",), lambda: _kinds(c))  # of the candidates alone: once per Candidates
+    return Priced(key=key, group=group, candidates=c, seconds=candidate_seconds(cfg, key, c, work, where, model, args),
+                  resident=resident, transient=transient, kinds=kinds, kind=kind)
+
+
+def _kinds(c: Candidates) -> tuple[tuple[str, ...], np.ndarray]:
+    """The layout kinds of ``c``'s candidates (sorted names) and each candidate's index in them."""
     knobs = np.stack([c.layout, c.recompute, c.micro_batch_tokens > 0], axis=1)
     distinct, inverse = np.unique(knobs, axis=0, return_inverse=True)
     names = [_kind(c.layouts[lay], r, packed) for lay, r, packed in distinct.tolist()]
     kinds = tuple(sorted(set(names)))
-    return Priced(key=key, group=group, candidates=c, seconds=candidate_seconds(cfg, key, c, work, where, model, args),
-                  resident=resident, transient=transient, kinds=kinds,
-                  kind=np.array([kinds.index(k) for k in names], dtype=np.int64)[inverse.ravel()])
+    return kinds, np.array([kinds.index(k) for k in names], dtype=np.int64)[inverse.ravel()]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -257,9 +226,17 @@ def frontier(p: Priced) -> np.ndarray:
     # layout and kind is beaten within its kind, so dropping it early changes nothing
     alive = ~_beaten_in_layout(p.candidates.layout[order] * len(p.kinds) + p.kind[order], mem)
     order, mem = order[alive], mem[alive]
-    kept = _pareto(mem, p.kind[order])
+    # then within each kind: no quota, so a row is kept iff no earlier row of its kind matches
+    # it, whether that row was kept or not (one that was not is matched by an earlier kept one,
+    # which then matches this row too) — all pairs at once while the kinds are small
+    small = len(order) and np.bincount(p.kind[order]).max() <= GRID
+    kept = np.flatnonzero(~_beaten_in_layout(p.kind[order], mem)) if small else _pareto(mem, p.kind[order])
     kept = kept[np.lexsort((kept, p.kind[order][kept], p.seconds[order][kept]))]
     return order[kept]
+
+
+GRID = 256
+"""The most rows of one group ``frontier`` compares all pairs of at once ([groups, GRID, GRID] booleans)."""
 
 
 def _beaten_in_layout(layout: np.ndarray, mem: np.ndarray) -> np.ndarray:
@@ -297,9 +274,13 @@ def _pareto(mem: np.ndarray, group: np.ndarray, *, per_group: int | None = None,
     too, and a group past its cap or its quota is not scanned further. ``until(kept)``: the
     number of leading rows that must be scanned given the rows kept so far (default all);
     the scan stops past them. Columns equal in every row decide
-    nothing and are left out. ``group``: small non-negative integers."""
+    nothing and are left out. ``group``: non-negative integers, made dense here (the
+    per-group counters are arrays as long as the groups: a partial plan's class pairs can
+    number up to classes², of which a few hundred occur)."""
     n = len(mem)
     mem = mem[:, (mem != mem[:1]).any(axis=0)] if n else mem
+    if n and int(group.max()) >= 4 * n:  # only equality of groups matters: any one-to-one relabelling keeps the same rows
+        group = np.unique(group, return_inverse=True)[1].ravel()
     kept = np.zeros(0, dtype=np.int64)
     counts = np.zeros(int(group.max()) + 1 if n else 0, dtype=np.int64)  # kept per group
     seen = counts.copy()  # rows scanned per group
@@ -351,42 +332,6 @@ def running_groups(cfg: JobConfig, plan: PlanConfig) -> dict[str, tuple[int, tup
     return {key: (sets.index(r), r) for key, r in ranks.items()}
 
 
-class _Classes:
-    """The rank classes of partial plans (``rank_class``) as ids: id 0 holds no training
-    layout; ``grow`` adds a training stage's layout kind to a class. Each id's correction
-    (offset, margin) is computed once (``MemoryFit.terms``)."""
-
-    def __init__(self, fit: MemoryFit) -> None:
-        self.fit = fit
-        self.kinds: list[tuple] = [()]
-        self.ids: dict[tuple, int] = {(): 0}
-        self.terms: list[tuple[float, float]] = [fit.terms(rank_class(()))]
-        self.steps: dict[tuple, int] = {}
-
-    def grow(self, ids: np.ndarray, key: str, kinds: np.ndarray, names: tuple[str, ...]) -> np.ndarray:
-        """The class of each ``ids[i]`` with ``key`` in layout kind ``names[kinds[i]]`` added."""
-        pairs, inverse = np.unique(ids * len(names) + kinds, return_inverse=True)
-        out = []
-        for pair in pairs.tolist():
-            step = (pair // len(names), key, names[pair % len(names)])
-            got = self.steps.get(step)
-            if got is None:
-                grown = (*self.kinds[step[0]], (key, step[2]))
-                got = self.ids.get(grown)
-                if got is None:
-                    got = self.ids[grown] = len(self.kinds)
-                    self.kinds.append(grown)
-                    self.terms.append(self.fit.terms(rank_class(grown)))
-                self.steps[step] = got
-            out.append(got)
-        return np.array(out, dtype=np.int64)[inverse.ravel()]
-
-    def corrections(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(offset, margin) of each class id, same shape as ``ids``."""
-        terms = np.array(self.terms, dtype=np.float64)
-        return terms[ids, 0], terms[ids, 1]
-
-
 @dataclass(kw_only=True)
 class _Partial:
     """Partial plans as arrays, one row each: seconds, resident bytes and largest transient
@@ -402,17 +347,47 @@ class _Partial:
         return _Partial(seconds=self.seconds[idx], resident=self.resident[idx], transient=self.transient[idx],
                         classes=self.classes[idx], picks=self.picks[idx])
 
-    def grow(self, p: Priced, front: np.ndarray, classes: _Classes) -> _Partial:
-        """Every partial plan followed by every candidate of ``front`` (partial-major)."""
+    def grow(self, p: Priced, front: np.ndarray, classes: _Classes, rows: np.ndarray | None = None) -> _Partial:
+        """Every partial plan followed by every candidate of ``front`` (partial-major), or only
+        the rows ``rows`` (ascending) of that product."""
         n, m, g = len(self.seconds), len(front), p.group
-        resident, transient, ids = (np.repeat(x, m, axis=0) for x in (self.resident, self.transient, self.classes))
-        resident[:, g] += np.tile(p.resident[front], n)
-        transient[:, g] = np.maximum(transient[:, g], np.tile(p.transient[front], n))
+        seconds = (self.seconds[:, None] + p.seconds[front][None, :]).ravel()
+        old, new = (np.repeat(np.arange(n), m), np.tile(front, n)) if rows is None else (rows // m, front[rows % m])
+        resident, transient, ids = self.resident[old], self.transient[old], self.classes[old]
+        resident[:, g] += p.resident[new]
+        transient[:, g] = np.maximum(transient[:, g], p.transient[new])
         if p.key.endswith(".train"):
-            ids[:, g] = classes.grow(ids[:, g], p.key, np.tile(p.kind[front], n), p.kinds)
-        return _Partial(seconds=(self.seconds[:, None] + p.seconds[front][None, :]).ravel(), resident=resident,
-                        transient=transient, classes=ids,
-                        picks=np.hstack([np.repeat(self.picks, m, axis=0), np.tile(front, n)[:, None]]))
+            ids[:, g] = classes.grow(ids[:, g], p.key, p.kind[new], p.kinds)
+        return _Partial(seconds=seconds if rows is None else seconds[rows], resident=resident, transient=transient, classes=ids,
+                        picks=np.hstack([self.picks[old], new[:, None]]))
+
+
+SUBSET = 2048
+"""Rows of a stage's growth ``_extend`` prunes first: the fastest (and their ties)."""
+
+
+def _extend(partial: _Partial, p: Priced, front: np.ndarray, classes: _Classes, budget: float | None, beam: int,
+            *, final: bool) -> tuple[_Partial, float | None]:
+    """``partial`` grown by ``p``'s ``front`` and pruned (``_prune``), and the smallest peak
+    of the growth (None when not computed: not ``final`` and some rows kept).
+
+    Exact shortcut: a growth of more than ``SUBSET`` rows is first pruned on its rows no
+    slower than its ``SUBSET``-th fastest, θ. Those rows are a prefix of what ``_prune``
+    scans (fastest first, ties complete), every row's fate depends only on rows before it,
+    and once ``beam`` rows are kept the scan never passes the last tie of the beam-th, which
+    is ≤ θ — so when the prefix keeps ``beam`` rows, the whole growth keeps the same ones.
+    Otherwise (fewer kept) the whole growth is pruned. A complete plan (``final``) is
+    always pruned whole: its smallest peak is reported."""
+    seconds = (partial.seconds[:, None] + p.seconds[front][None, :]).ravel()
+    if not final and len(seconds) > SUBSET:
+        theta = np.partition(seconds, SUBSET - 1)[SUBSET - 1]
+        grown = partial.grow(p, front, classes, rows=np.flatnonzero(seconds <= theta))
+        kept, _ = _prune(grown, classes, budget, beam, final=False)
+        if beam and len(kept) == beam:  # (``_prune`` keeps at most beam)
+            return grown.take(kept), None
+    grown = partial.grow(p, front, classes)
+    kept, worst = _prune(grown, classes, budget, beam, final=final)
+    return grown.take(kept), worst
 
 
 def search(
@@ -465,12 +440,10 @@ def search(
             partial = _Partial(seconds=np.zeros(1), resident=np.zeros((1, 2), dtype=np.int64), transient=np.zeros((1, 2), dtype=np.int64),
                                classes=np.zeros((1, 2), dtype=np.int64), picks=np.zeros((1, 0), dtype=np.int64))
             for depth, (priced, front) in enumerate(stages, 1):
-                grown = partial.grow(priced, front, classes)
-                kept, worst = _prune(grown, classes, budget, beam, final=depth == len(stages))
-                partial = grown.take(kept)
-                if depth == len(stages) or not len(kept):  # complete plans, or the stage where all went over
+                partial, worst = _extend(partial, priced, front, classes, budget, beam, final=depth == len(stages))
+                if depth == len(stages) or not len(partial.seconds):  # complete plans, or the stage where all went over
                     smallest = min(smallest, worst)
-                if not len(kept):
+                if not len(partial.seconds):
                     break
             else:
                 found += [(float(s), placement, stages, partial, i) for i, s in enumerate(partial.seconds.tolist())]

@@ -69,7 +69,7 @@ import numpy as np
 from nereus.reshard.layout import itemsize
 
 from ..config import JobConfig, StageConfig
-from .candidates import RECOMPUTE, Candidates, micro_batching, per_unique, stage_layers
+from .candidates import RECOMPUTE, Candidates, FixedBatching, kept_of, micro_batching, per_unique, stage_layers
 from .memory import activation_bytes, local_elements, logits_bytes
 from .profiles import DeviceProfile
 from .workload import Workload
@@ -187,7 +187,7 @@ def stage_features(
     """The prior seconds per operation class of model-stage ``key`` under ``sc`` for one step.
     ``mode``: "train", "infer" or "gen" (default from the key; a training stage's own forward,
     e.g. PPO's old log-probs, is ``"infer"``). ``args``: the stage's ModelArgs, if at hand."""
-    f = candidate_features(cfg, key, Candidates.of([sc]), work, where, mode=mode, args=args)
+    f = candidate_features(cfg, key, kept_of((sc,)), work, where, mode=mode, args=args)
     return {k: float(v[0]) for k, v in f.items()}
 
 
@@ -199,44 +199,39 @@ def candidate_features(
 
     args = args or model_args(cfg, key)
     spec, profile = args.spec, where.profile
-    busy = {len(sc.ranks) if sc.ranks is not None else where.nproc for sc in c.layouts}
-    if len(busy) > 1:
-        raise ValueError(f"{key}: candidates on rank sets of different sizes {sorted(busy)} (price each set apart)")
-    busy = busy.pop() if busy else where.nproc
-    size = itemsize(args.compute)
     mode = mode or key.split(".")[1]
     train, gen = mode == "train", mode == "gen"
+    fabric = (where.nproc, profile.devices_per_node, *((k, x.bandwidth, x.latency) for k, x in sorted(profile.links.items())))
+    busy = c.derived(("busy", where.nproc), lambda: _busy(key, c, where))
+    size = itemsize(args.compute)
     flops = rank_flops(profile, args.compute, busy, where.nproc)
     dispatch = profile.op_overhead / profile.share(busy)
     tp, pp, dp = c.tp, c.pp, c.dp
-    layers = -(-spec.num_layers // pp)  # the first pipeline stages hold the extra layer
-    h, hd, t = spec.hidden_size, spec.num_heads * spec.dim_head, tp
-    head = 2 * h * (spec.vocab_size / t if spec.head == "lm" else 1)
+    links = c.derived(("links", fabric), lambda: _Links.of(c, where))
     zero = np.zeros(len(c))
     f: dict[str, np.ndarray] = {k: zero for k in OP_CLASSES}
-    fabric = (where.nproc, profile.devices_per_node, *((k, x.bandwidth, x.latency) for k, x in sorted(profile.links.items())))
-    links = c.derived(("links", fabric), lambda: _Links.of(c, where))
     if gen:
         return _gen_features(spec, work, where, c, links, flops=flops, dispatch=dispatch, size=size, busy=busy, f=f)
-    rows = -(-(work.minibatch if train else work.batch) // dp)
-    batching = micro_batching(rows, pp, c.micro_batch_size, c.micro_batch_tokens, work.width, work.row_mean)
+    calls = work.minibatches if train else 1
+    rows_of = work.minibatch if train else work.batch
+    # what the kept terms read of the profile besides its fabric: the optimizer's memory bandwidth and share of the cores
+    device = (profile.kind, profile.cores, profile.memory_bandwidth)
+    st = c.derived(("features", fabric, device, spec, args.compute, train, rows_of, calls),
+                   lambda: _Static.of(spec, c, links, where, compute=args.compute, train=train, rows=rows_of, calls=calls, busy=busy))
+    layers, head, t, ck = st.layers, st.head, tp, st.ck
+    h = spec.hidden_size
+    batching = micro_batching(st.rows, pp, c.micro_batch_size, c.micro_batch_tokens, work.width, work.row_mean, fixed=st.batching)
     n, tokens, span = batching.count, batching.tokens, batching.span
     slots = n + pp - 1
-    calls = work.minibatches if train else 1
     passes = 3 if train else 1  # backward: twice the forward's matmuls
     lm = spec.head == "lm"
-    # what depends on tp alone, once per layout: a layer's matmul FLOPs per token and attended
-    # token, and the bytes per token its eager ops and matmuls move
-    by_tp = np.array([sc.tp for sc in c.layouts])
-    linear, attention = (2 * _layer_params(spec, by_tp))[c.layout], (4 * hd / by_tp)[c.layout]
-    moved = (2 * activation_bytes(spec, by_tp, args.compute, train=True) + _gemm_bytes(spec, by_tp, size))[c.layout]
+    linear, attention, moved = st.linear, st.attention, st.moved
     mb_flops = tokens * (layers * (linear + span * attention) + head)
     # recompute: backward re-runs the forward of the busiest stage's checkpointed blocks (not the head)
-    ck = per_unique(lambda p, r: stage_layers(spec.num_layers, p, 0, RECOMPUTE[r])[1], pp, c.recompute) if train else np.zeros(len(c), np.int64)
     f["gemm"] = calls * slots * (passes * mb_flops + tokens * ck * (linear + span * attention)) / flops
     # the activations every eager op reads and writes (each intermediate written once, read once;
     # backward twice the forward's), replicated over TP where the block does not split them
-    traffic = tokens * (layers * moved + 2 * _head_bytes(spec, t, args.compute))
+    traffic = tokens * (layers * moved + st.head_bytes)
     recomputed = tokens * ck * moved
     bandwidth = profile.memory_bandwidth * profile.share(busy)
     f["memory"] = calls * slots * (passes * traffic + recomputed) / bandwidth
@@ -244,47 +239,116 @@ def candidate_features(
     forward = layers * block + OPS_HEAD
     ops = calls * slots * (passes * forward + ck * block) + np.where(pp > 1, calls * forward, 0)  # pp: the schedule's shape inference
     tp_ops = np.where(t > 1, calls * slots * (passes * (7 * layers + 1 + lm) + 7 * ck) * TP_MODULE_OPS, 0)
-    dtensor = (t > 1) | c.fsdp  # the parameters (and AdamW's state) are DTensors
     if train:
-        tensors = (9 + 3 * spec.qkv_bias) * layers + 3  # per layer: 2 norms, q, k, v, o, gate, up, down (+ q/k/v biases)
-        step = calls * tensors * (OPS_PER_TENSOR + 1)  # AdamW and zero_grad per parameter
-        ops = ops + calls * tensors * CLIP_OPS + np.where(dtensor, 0, step)  # the norm runs on local tensors
-        tp_ops = tp_ops + np.where(dtensor, step, 0)
+        ops = ops + st.clip_ops + st.step_plain  # the norm runs on local tensors
+        tp_ops = tp_ops + st.step_dtensor
     f["ops"], f["ops_dtensor"] = ops * dispatch, tp_ops * dispatch
     # TP: all-reduces of [tokens, h] — forward: the embedding, o_proj and down_proj; backward: the
     # inputs of q, k, v, gate, up and the head; vocab-parallel log-probs add two small ones (max, sum)
-    hidden = 1 + 2 * layers + (5 * layers + lm if train else 0) + 2 * ck
+    hidden = st.hidden
     reduces = calls * slots * (hidden + 2 * lm)
     f["comm_tp"] = calls * slots * hidden * _ring(tokens * h * size, t) / links.tp[0]
-    latency = reduces * _hops(t, 2) * links.tp[1]
+    latency = reduces * st.tp_hops * links.tp[1]
     # PP: activations forward, their gradients backward, point to point per micro-batch slot
     messages = calls * (slots * (2 if train else 1) + 2)  # + the schedule's shape exchange
     f["comm_pp"] = np.where(pp > 1, calls * slots * (2 if train else 1) * tokens * h * size / links.pp[0], 0.0)
     latency = latency + np.where(pp > 1, messages * links.pp[1], 0.0)
     # DP. FSDP2: every unit (layers and the root) all-gathered per micro-batch forward, the
     # layers again in backward, reduce-scattered once (the last micro-batch syncs)
-    full = c.derived(("full", spec), lambda: c.per_layout(lambda sc: max(local_elements(spec, sc.tp, sc.pp))))
+    full = st.full
     bandwidth, dp_latency = links.dp
     gathers = slots * (2 * layers + 1 if train else layers + 1)
-    scatters = layers + 1 if train else 0
+    scatters = st.scatters
     gathered = (slots * (2 if train else 1) * full * size + (full * 4 if train else 0)) * (dp - 1) / dp
-    sharded_bytes, sharded_calls = calls * gathered / bandwidth, calls * (gathers + scatters) * _hops(dp, 1)
-    replicated_bytes = calls * _ring(full * 4, dp) / bandwidth if train else zero
-    replicated_calls = calls * _hops(dp, 2) if train else zero
+    sharded_bytes, sharded_calls = calls * gathered / bandwidth, calls * (gathers + scatters) * st.dp_hops
+    replicated_bytes, replicated_calls = (st.replicated_bytes, st.replicated_calls) if train else (zero, zero)
     f["comm_dp"] = np.where(c.fsdp, sharded_bytes, replicated_bytes)
     latency = latency + np.where(c.fsdp, sharded_calls, replicated_calls) * dp_latency
     if train:  # per optimizer step: the gradient norm's all-reduce over the stage, KV-head copies summed over TP
-        world = where.profile.links["intra" if busy <= where.profile.devices_per_node else "inter"]
-        kv_copies = spec.num_kv_heads % t != 0
-        latency = latency + calls * (_hops(busy, 2) * world.latency + np.where(kv_copies, _hops(t, 2) * links.tp[1], 0.0))
-        local = c.elements(spec).max(axis=1)[c.layout]
-        f["optimizer"] = calls * local * 4 * 4 / profile.memory_bandwidth / profile.share(busy)  # AdamW reads and writes θ, g, m, v
+        latency = latency + st.norm_latency
+        f["optimizer"] = st.optimizer
         f["collective"] = zero + (calls + 1) * _gather(where, 256)  # per optimizer step: the finiteness flags; per step: the metrics
     else:  # the results of every row, to every rank
         f["collective"] = zero + _gather(where, work.batch * work.width * 4)
     f["comm_latency"] = latency
     f["call"] = zero + calls * CALL_SECONDS
     return f
+
+
+def _busy(key: str, c: Candidates, where: Placement) -> int:
+    """The ranks a stage's candidates run on (all of them on one rank set of one size)."""
+    busy = {len(sc.ranks) if sc.ranks is not None else where.nproc for sc in c.layouts}
+    if len(busy) > 1:
+        raise ValueError(f"{key}: candidates on rank sets of different sizes {sorted(busy)} (price each set apart)")
+    return busy.pop() if busy else where.nproc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Static:
+    """The terms of ``candidate_features`` (training or inference) that depend on the
+    candidates, the model, the links and the workload's rows and optimizer steps alone —
+    not on the lengths: computed once per Candidates (``Candidates.derived``) by the same
+    expressions as before, so the features are bit-identical."""
+
+    rows: np.ndarray
+    batching: FixedBatching
+    layers: np.ndarray
+    head: np.ndarray
+    linear: np.ndarray
+    attention: np.ndarray
+    moved: np.ndarray
+    ck: np.ndarray
+    head_bytes: np.ndarray
+    clip_ops: np.ndarray | None
+    step_plain: np.ndarray | None
+    step_dtensor: np.ndarray | None
+    hidden: np.ndarray
+    tp_hops: np.ndarray
+    full: np.ndarray
+    scatters: int
+    dp_hops: np.ndarray
+    replicated_bytes: np.ndarray | None
+    replicated_calls: np.ndarray | None
+    norm_latency: np.ndarray | None
+    optimizer: np.ndarray | None
+
+    @classmethod
+    def of(cls, spec, c: Candidates, links: _Links, where: Placement, *, compute: str, train: bool, rows: int, calls: int,
+           busy: int) -> _Static:
+        profile = where.profile
+        size = itemsize(compute)
+        tp, pp, dp = c.tp, c.pp, c.dp
+        layers = -(-spec.num_layers // pp)  # the first pipeline stages hold the extra layer
+        hd, t = spec.num_heads * spec.dim_head, tp
+        head = 2 * spec.hidden_size * (spec.vocab_size / t if spec.head == "lm" else 1)
+        lm = spec.head == "lm"
+        replicas = -(-rows // dp)
+        # what depends on tp alone, once per layout: a layer's matmul FLOPs per token and attended
+        # token, and the bytes per token its eager ops and matmuls move
+        by_tp = np.array([sc.tp for sc in c.layouts])
+        linear, attention = (2 * _layer_params(spec, by_tp))[c.layout], (4 * hd / by_tp)[c.layout]
+        moved = (2 * activation_bytes(spec, by_tp, compute, train=True) + _gemm_bytes(spec, by_tp, size))[c.layout]
+        ck = per_unique(lambda p, r: stage_layers(spec.num_layers, p, 0, RECOMPUTE[r])[1], pp, c.recompute) if train else np.zeros(len(c), np.int64)
+        clip_ops = step_plain = step_dtensor = replicated_bytes = replicated_calls = norm_latency = optimizer = None
+        full = c.derived(("full", spec), lambda: c.per_layout(lambda sc: max(local_elements(spec, sc.tp, sc.pp))))
+        if train:
+            dtensor = (t > 1) | c.fsdp  # the parameters (and AdamW's state) are DTensors
+            tensors = (9 + 3 * spec.qkv_bias) * layers + 3  # per layer: 2 norms, q, k, v, o, gate, up, down (+ q/k/v biases)
+            step = calls * tensors * (OPS_PER_TENSOR + 1)  # AdamW and zero_grad per parameter
+            clip_ops, step_plain, step_dtensor = calls * tensors * CLIP_OPS, np.where(dtensor, 0, step), np.where(dtensor, step, 0)
+            bandwidth = links.dp[0]
+            replicated_bytes, replicated_calls = calls * _ring(full * 4, dp) / bandwidth, calls * _hops(dp, 2)
+            world = profile.links["intra" if busy <= profile.devices_per_node else "inter"]
+            kv_copies = spec.num_kv_heads % t != 0
+            norm_latency = calls * (_hops(busy, 2) * world.latency + np.where(kv_copies, _hops(t, 2) * links.tp[1], 0.0))
+            local = c.elements(spec).max(axis=1)[c.layout]
+            optimizer = calls * local * 4 * 4 / profile.memory_bandwidth / profile.share(busy)  # AdamW reads and writes θ, g, m, v
+        return cls(rows=replicas, batching=FixedBatching.of(replicas, pp, c.micro_batch_size, c.micro_batch_tokens), layers=layers, head=head, linear=linear,
+                   attention=attention, moved=moved, ck=ck, head_bytes=2 * _head_bytes(spec, t, compute), clip_ops=clip_ops,
+                   step_plain=step_plain, step_dtensor=step_dtensor,
+                   hidden=1 + 2 * layers + (5 * layers + lm if train else 0) + 2 * ck, tp_hops=_hops(t, 2), full=full,
+                   scatters=layers + 1 if train else 0, dp_hops=_hops(dp, 1), replicated_bytes=replicated_bytes,
+                   replicated_calls=replicated_calls, norm_latency=norm_latency, optimizer=optimizer)
 
 
 def _gen_features(spec, work: Workload, where: Placement, c: Candidates, links, *, flops: float, dispatch: float, size: int, busy: int,
@@ -324,7 +388,7 @@ def _gen_features(spec, work: Workload, where: Placement, c: Candidates, links, 
 def sync_features(cfg: JobConfig, dst_key: str, dst: StageConfig, where: Placement, *, args=None) -> Features:
     """Prior seconds of a weight sync into model-stage ``dst_key``: each destination rank
     receives its local weights (in the destination's dtype) over its slowest link."""
-    f = candidate_sync_features(cfg, dst_key, Candidates.of([dst]), where, args=args)
+    f = candidate_sync_features(cfg, dst_key, kept_of((dst,)), where, args=args)
     return {k: float(v[0]) for k, v in f.items()}
 
 
@@ -372,12 +436,17 @@ class StepTimeModel:
         rows = [(f, t) for f, t in samples if t > 0]
         if not rows:
             return self
+        return self.calibrate_rows(np.array([[f.get(k, 0.0) / t for k in OP_CLASSES] for f, t in rows]), prior_weight=prior_weight)
+
+    def calibrate_rows(self, a: np.ndarray, *, prior_weight: float = 1e-3) -> StepTimeModel:
+        """``calibrate`` of the samples as rows ``f / t`` ([samples, OP_CLASSES], each with t > 0)."""
+        if not len(a):
+            return self
         p = np.array([self.prior[k] for k in OP_CLASSES])
-        a = np.array([[f.get(k, 0.0) / t for k in OP_CLASSES] for f, t in rows])
         fit = a @ p  # each sample's prior prediction over its measurement
         centre = p * (float(fit.sum() / (fit**2).sum()) if (fit > 0).any() else 1.0)  # s = argmin Σ (s·fit − 1)²
-        b = np.ones(len(rows))
-        reg = math.sqrt(prior_weight * len(rows))
+        b = np.ones(len(a))
+        reg = math.sqrt(prior_weight * len(a))
         a = np.vstack([a, reg * np.diag(1.0 / centre)])
         b = np.concatenate([b, reg * np.ones(len(OP_CLASSES))])
         q, r = np.linalg.qr(a)  # ‖a θ − b‖² = ‖r θ − qᵀb‖² + const: the same minimiser, on a square system

@@ -32,7 +32,7 @@ import numpy as np
 from nereus.reshard.graph import LinkCost
 
 from ..config import JobConfig, PlanConfig, StageConfig, config_to_dict
-from ..controller.candidates import Candidates
+from ..controller.candidates import kept_of
 from ..controller.memory import GIB, distinct_ranks, rank_peak
 from ..controller.search import SYNCED, MemoryFit
 from ..controller.steptime import OP_CLASSES, Placement, StepTimeModel, candidate_features, candidate_sync_features
@@ -120,7 +120,7 @@ class Truth:
         for (name, key, nproc, _), members in groups.items():
             cfg = cfgs[members[0][0]]
             where = Placement(nproc=nproc, profile=self.profile)
-            c = Candidates.of([sc for _, sc in members])
+            c = kept_of(tuple(sc for _, sc in members))
             if name.startswith("sync."):
                 f = candidate_sync_features(cfg, key, c, where)
             else:
