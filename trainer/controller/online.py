@@ -340,17 +340,41 @@ class Controller:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (JSON): the lengths seen, the plans left and when, the drift
-        references. The calibration is re-learned after a resume."""
+        references, and the calibration's evidence — the step-time samples (as the fit's
+        rows), the memory and transition samples, the recent errors (the band) — so that a
+        resumed controller fits and decides as the uninterrupted one would have (JSON keeps
+        every float exactly)."""
         return {"lengths": [list(x) for x in self.lengths], "left": dict(self.left),
                 "reference": dict(self.watch.reference), "last_drift": dict(self.watch.last_drift),
-                "gaps": {k: list(v) for k, v in self.watch.gaps.items()}}
+                "gaps": {k: list(v) for k, v in self.watch.gaps.items()},
+                "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples],
+                "transition_samples": [list(x) for x in self.transition_samples], "errors": list(self.errors),
+                "prompt_mean": self.prompt_mean}
 
     def load_state(self, state: dict) -> None:
+        """``state_dict``'s state back, and the fits refitted from it (a state saved before
+        the calibration was kept has none: it is re-learned)."""
         self.lengths = [(int(a), float(b)) for a, b in state.get("lengths", [])]
         self.left = {k: int(v) for k, v in state.get("left", {}).items()}
         self.watch.reference = dict(state.get("reference", {}))
         self.watch.last_drift = {k: int(v) for k, v in state.get("last_drift", {}).items()}
         self.watch.gaps = {k: list(v) for k, v in state.get("gaps", {}).items()}
+        if "samples" not in state:
+            return
+        self.samples.load_state_dict(state["samples"])
+        self.memory_samples.clear()
+        self.memory_samples.extend((str(c), int(r), int(t), int(m)) for c, r, t, m in state["memory_samples"])
+        self.transition_samples = [(float(s), int(n), float(moved)) for s, n, moved in state["transition_samples"]]
+        self.errors.clear()
+        self.errors.extend(float(e) for e in state["errors"])
+        self.prompt_mean = None if state["prompt_mean"] is None else float(state["prompt_mean"])
+        if self.settings.calibrate:
+            if self.samples.count:
+                self.model = self.model.calibrate_rows(self.samples.matrix())
+            if self.memory_samples:
+                self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
+            if self.transition_samples:
+                self.transitions = self.transitions.calibrated(self.transition_samples)
 
     def _log(self, name: str, line: dict) -> None:
         if self.run_dir is None:
@@ -377,6 +401,25 @@ class SampleRows:
         if seconds > 0:
             self.rows[i] = [features.get(k, 0.0) / seconds for k in OP_CLASSES]
         self.count += 1
+
+    def state_dict(self) -> dict:
+        """The kept rows, oldest first (JSON)."""
+        order = self._order()
+        return {"count": self.count, "rows": self.rows[order].tolist(), "valid": self.valid[order].tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        rows, valid = np.asarray(state["rows"], dtype=np.float64).reshape(-1, len(OP_CLASSES)), np.asarray(state["valid"], dtype=bool)
+        if len(rows) != len(valid) or len(rows) > self.maxlen:
+            raise ValueError(f"controller state: {len(rows)} step-time rows and {len(valid)} flags for at most {self.maxlen}")
+        self.rows[:], self.valid[:] = 0.0, False
+        self.rows[: len(rows)], self.valid[: len(rows)] = rows, valid
+        self.count = len(rows)  # the oldest kept row at 0: matrix() gives them in the same order
+
+    def _order(self) -> np.ndarray:
+        if self.count <= self.maxlen:
+            return np.arange(self.count)
+        start = self.count % self.maxlen  # the oldest kept sample
+        return np.r_[start:self.maxlen, 0:start]
 
     def matrix(self) -> np.ndarray:
         if self.count <= self.maxlen:

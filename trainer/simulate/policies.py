@@ -11,7 +11,7 @@
   stages on explicit ranks (what they hold while the world changes under them); when the
   controller finds a plan but no live move to it fits the memory, the workers restart in
   that plan from the staged state (``nereus resume``'s path: ``truth.restart_seconds``, the
-  controller's state kept, its calibration re-learned).
+  controller's state kept, its calibration with it).
 - ``greedy``: the same controller, deciding every step (its drift watch fires on every step
   through the controller's own ``decide``: trigger ``drift:every_step``), and a decision whose
   best plan is predicted faster is taken whatever the admission rule said (no error band, no
@@ -257,7 +257,7 @@ class Adaptive(Policy):
     def _restart(self, t: TraceStep, decision, n: int) -> Move:
         """The world changed and no live move fits the memory: the workers restart on ``n``
         devices in the controller's plan for them (``nereus resume``'s path), from the staged
-        state; the controller keeps its state (``state_dict``), not its calibration."""
+        state; the controller keeps its state (``state_dict``), its calibration with it."""
         old, new_plan = self.cfg, _build(PlanConfig, decision.new_plan, "plan.")
         self.cfg = dataclasses.replace(old, nproc=n, plan=new_plan)
         state = self.controller.state_dict()

@@ -180,3 +180,35 @@ def test_the_search_matches_brute_force_under_a_calibrated_memory_fit(slack):
     want = min(s for s, p in plans if p <= budget)
     got = search(dataclasses.replace(cfg, device_memory_gib=budget / 2**30), work, CPU, model, fit=fit, placements=("colocated",))
     assert got.best.seconds == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("steps", [12, 4100 // 4])  # a few samples; more than the 4,000 the fit keeps (wrapped around)
+def test_a_resumed_controller_fits_and_decides_as_the_uninterrupted_one(tmp_path, steps):
+    """``state_dict`` through JSON into a new controller (``--resume``'s path): the same
+    step-time coefficients, memory correction, transition model and error band, and the
+    same next prediction and decision as the controller that saw the steps."""
+    import json
+
+    cfg = tiny(f"run_dir={tmp_path}", "controller.drift=0.2")
+    a = Controller(cfg, CPU)
+    for step in range(1, steps + 1):
+        swing = 1.0 + 0.3 * ((step * 7) % 5) / 5
+        seconds = {"actor.gen": 0.2 * swing, "actor.train": 0.6 / swing, "ref.infer": 0.1 * swing, "sync.actor.gen": 0.02}
+        metrics = _metrics(step, seconds, 9 + step % 4, response=3.0 + step % 3)
+        for record, peak in zip(metrics["stages"].values(), (11, 23, 7, 3)):
+            record["peak_bytes"] = [(peak + step % 5) << 20] * 4
+        a.observe(cfg, metrics)
+        if step % 64 == 0 or step > steps - 3:  # as the step loop does (its drift references, the plans left); nothing applied
+            a.decide(cfg, metrics)
+    a.transition_samples.append((1.25, 1, 0.5))
+    a.transitions = a.transitions.calibrated(a.transition_samples)
+    b = Controller(cfg, CPU, first_step=steps)
+    b.load_state(json.loads(json.dumps(a.state_dict())))
+    assert b.model.coef == a.model.coef and b.model != Controller(cfg, CPU).model
+    assert b.memory == a.memory and b.transitions == a.transitions and b.band == a.band and b.prompt_mean == a.prompt_mean
+    assert (b.samples.matrix() == a.samples.matrix()).all() and len(a.samples.matrix()) == min(steps * 4, 4000)
+    nxt = _metrics(steps + 1, {"actor.gen": 0.5, "actor.train": 0.3, "ref.infer": 0.1, "sync.actor.gen": 0.02}, 14, response=9.0)
+    assert b.observe(cfg, nxt)["pieces"] == a.observe(cfg, nxt)["pieces"]  # predicted with the restored fit
+    da, db = a.decide(cfg, nxt), b.decide(cfg, nxt)  # the responses tripled: a drift
+    assert da is not None and db is not None and da.trigger == db.trigger
+    assert (db.admitted, db.new_plan, db.new_seconds, db.reason) == (da.admitted, da.new_plan, da.new_seconds, da.reason)
