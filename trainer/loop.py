@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -134,6 +135,7 @@ class Trainer:
         self.step = 0
         self.meter = StageMeter(self.device, baseline)
         self.extra_state: dict = {}  # JSON-able state saved with every checkpoint (the controller's, the sampler's)
+        self.messages: deque = deque(maxlen=8 * MESSAGES)  # measured reshard messages, until the controller takes them
         self._reward_metrics: dict = {}
         self.restored_state: dict = {}
 
@@ -232,7 +234,9 @@ class Trainer:
             old, new, transfers = self.stages[key], fresh[key], plans[key]
             moved += sum(t.nbytes for t in transfers.transfers if t.src_rank != t.dst_rank)
             dst = new.buffers() if new.member else {}
-            execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=self.rank, dst_buffers=dst)
+            result = execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=self.rank,
+                             dst_buffers=dst)
+            self.messages.extend(measured_messages(result))
         return fresh, moved
 
     def _verify_moved(self, keys: list[str], fresh: dict) -> int:
@@ -267,6 +271,7 @@ class Trainer:
         for sync in self.syncs:
             with meter(f"sync.{sync.dst.key}"):
                 result = sync()
+            self.messages.extend(measured_messages(result))
             stats = getattr(result, "stats", None)
             if stats is not None:
                 syncs[sync.dst.key] = {"bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
@@ -930,8 +935,11 @@ class JobControl:
 
     def after_step(self, metrics: dict, *, decide: bool = True) -> None:
         trainer, decision = self.trainer, None
+        messages = list(trainer.messages)  # the step's weight syncs' and the last transition's, on every rank
+        trainer.messages.clear()
         if self.controller is not None:
             try:
+                self.controller.observe_transfers(messages)
                 self.controller.observe(trainer.cfg, metrics)
                 decision = self.controller.decide(trainer.cfg, metrics) if decide else None
             except Exception as e:  # noqa: BLE001 - a controller failure never stops the job: the plan stays
@@ -974,6 +982,20 @@ class JobControl:
                                        measured_s=done["seconds"], nbytes=done["bytes"])
         if self.controller is not None:
             trainer.extra_state["controller"] = self.controller.state_dict()
+
+
+MESSAGES = 64
+"""The most measured messages one reshard hands the controller (evenly spread over its own)."""
+
+
+def measured_messages(result) -> list[tuple[int, int, int, float]]:
+    """This rank's measured messages of a reshard (``StreamResult.stats``), ``(src, dst,
+    bytes, seconds)``: what the controller refits the transitions' link costs on. NCCL's
+    coalesced rounds are left out (a round's time, an upper bound of a link's only)."""
+    stats = getattr(result, "stats", None)
+    samples = [m for m in (stats.samples if stats is not None else ()) if not m.coalesced]
+    every = max(1, -(-len(samples) // MESSAGES))
+    return [(m.src, m.dst, m.nbytes, m.seconds) for m in samples[::every]]
 
 
 WAITING_PIECES = ("train.check", "advantages")

@@ -25,14 +25,19 @@ from nereus.trainer.resume import resume_config, runs_on
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
 runner = CliRunner()
+# The controller watches (and calibrates) without ever moving: no budget, no drift that triggers.
 COMMON = ["--set", "model.dtype=float64", "--set", "checkpoint_every=2", "--set", "rollout.prompts_per_step=16",
-          "--set", "ppo.minibatch_size=32"]
+          "--set", "ppo.minibatch_size=32", "--set", "controller.enabled=true", "--set", "controller.drift=1000"]
 KEYS = ("actor/loss", "critic/loss", "reward_mean", "kl", "actor/grad_norm", "critic/grad_norm", "response_length")
 
 
-def metrics(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+def lines(path) -> list[dict]:
+    with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def metrics(run_dir) -> list[dict]:
+    return lines(os.path.join(run_dir, "metrics.jsonl"))
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +67,13 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_bit_for_bit(whole, tmp_p
     keys = ("step", *KEYS)
     assert [[r[k] for k in keys] for r in metrics(split)] == [[r[k] for k in keys] for r in metrics(whole)]  # each step once
     assert CheckpointStore(str(split / "checkpoints")).steps() == [2, 4]
+    # the controller's calibration came back with the checkpoint: step 3's predictions (made
+    # with the fit of steps 1-2) are the uninterrupted run's, to the bit
+    ours, ref = (lines(d / "predictions.jsonl") for d in (split, whole))
+    assert [p["step"] for p in ours] == [1, 2, 3, 4]
+    assert {k: v["predicted_s"] for k, v in ours[2]["pieces"].items()} == {k: v["predicted_s"] for k, v in ref[2]["pieces"].items()}
+    state = CheckpointStore(str(split / "checkpoints")).manifest().state["controller"]
+    assert state["transfers"] and {link for link, _, _ in state["transfers"]} == {"node"}  # the weight syncs' messages
     job = read_job(CheckpointStore(str(split / "checkpoints")).meta)
     assert job.transitions == () and len(job.plans) == 1  # the same plan throughout
 

@@ -39,7 +39,7 @@ from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
 from .search import MemoryFit, PlanChoice, device_budget, plan_seconds, rank_class, search
 from .steptime import OP_CLASSES, Placement, StepTimeModel, stage_features, sync_features
-from .transition import TransitionModel, transition_peak
+from .transition import TransitionModel, profile_links, transition_peak
 from .workload import Workload
 
 
@@ -94,7 +94,9 @@ class Controller:
         self.profile, self.settings, self.run_dir = profile, settings, run_dir
         self.model = StepTimeModel.for_profile(profile)
         self.memory = MemoryFit()
-        self.transitions = TransitionModel()
+        self.links = profile_links(profile)  # the transitions' link prior
+        self.transitions = TransitionModel(link=self.links)
+        self.transfers: deque = deque(maxlen=2000)  # measured messages: (link class, bytes, seconds)
         self.samples = SampleRows(4000)  # the step-time samples seen, as the calibration's rows
         self.memory_samples: deque = deque(maxlen=400)
         self.transition_samples: list[tuple[float, int, float]] = []
@@ -315,6 +317,14 @@ class Controller:
         self._log("transitions.jsonl", {"kind": "decision", **asdict(decision)})
         return decision
 
+    def observe_transfers(self, messages) -> None:
+        """Messages a weight sync or a transition measured on this rank, ``(src, dst, bytes,
+        seconds)``: the transitions' link costs are refitted on the last 2,000 (per link class,
+        over the profile's links)."""
+        self.transfers.extend((self.links.link(src, dst), int(n), float(t)) for src, dst, n, t in messages if t > 0)
+        if self.settings.calibrate and self.transfers:
+            self.transitions = self.transitions.with_links(list(self.transfers), self.links)
+
     def transitioned(self, decision: Decision, done: dict) -> None:
         """Record how an admitted transition went (``Trainer.apply_plan``'s result, or
         ``{"error": ...}`` when it failed and the old plan kept running)."""
@@ -341,14 +351,16 @@ class Controller:
     def state_dict(self) -> dict:
         """What a checkpoint keeps (JSON): the lengths seen, the plans left and when, the drift
         references, and the calibration's evidence — the step-time samples (as the fit's
-        rows), the memory and transition samples, the recent errors (the band) — so that a
+        rows), the memory and transition samples, the measured messages, the recent errors
+        (the band) — so that a
         resumed controller fits and decides as the uninterrupted one would have (JSON keeps
         every float exactly)."""
         return {"lengths": [list(x) for x in self.lengths], "left": dict(self.left),
                 "reference": dict(self.watch.reference), "last_drift": dict(self.watch.last_drift),
                 "gaps": {k: list(v) for k, v in self.watch.gaps.items()},
                 "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples],
-                "transition_samples": [list(x) for x in self.transition_samples], "errors": list(self.errors),
+                "transition_samples": [list(x) for x in self.transition_samples], "transfers": [list(x) for x in self.transfers],
+                "errors": list(self.errors),
                 "prompt_mean": self.prompt_mean}
 
     def load_state(self, state: dict) -> None:
@@ -365,6 +377,8 @@ class Controller:
         self.memory_samples.clear()
         self.memory_samples.extend((str(c), int(r), int(t), int(m)) for c, r, t, m in state["memory_samples"])
         self.transition_samples = [(float(s), int(n), float(moved)) for s, n, moved in state["transition_samples"]]
+        self.transfers.clear()
+        self.transfers.extend((str(k), int(n), float(t)) for k, n, t in state.get("transfers", []))
         self.errors.clear()
         self.errors.extend(float(e) for e in state["errors"])
         self.prompt_mean = None if state["prompt_mean"] is None else float(state["prompt_mean"])
@@ -373,6 +387,8 @@ class Controller:
                 self.model = self.model.calibrate_rows(self.samples.matrix())
             if self.memory_samples:
                 self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
+            if self.transfers:
+                self.transitions = self.transitions.with_links(list(self.transfers), self.links)
             if self.transition_samples:
                 self.transitions = self.transitions.calibrated(self.transition_samples)
 

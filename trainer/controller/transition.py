@@ -4,8 +4,9 @@ A model-stage whose micro-batch size alone changes costs nothing (it is retuned 
 For every model-stage whose layout changes, its state (weights, and AdamW state for a
 training stage) moves from the old EMUs to the new ones: ``reshard.estimate`` gives the
 exact transfers as arrays, ``reshard.graph.plan_graph`` schedules them in rounds within the
-memory budget and prices them with its alpha-beta ``LinkCost`` (calibrated from measured
-transfers: ``graph.calibrate``). Building the new stages (modules on meta, parallelize,
+memory budget and prices them with its alpha-beta ``LinkCost``: the device profile's links
+(``profile_links``), refitted per link class from the messages the job's weight syncs and
+transitions measure (``with_links``: ``graph.calibrate``). Building the new stages (modules on meta, parallelize,
 process groups) costs a fixed ``rebuild`` per changed stage, calibrated from measured
 transitions. The weight syncs of the new plan are priced by the step-time model, not here.
 
@@ -30,12 +31,21 @@ from dataclasses import dataclass
 
 from nereus.reshard.derive import derive_emus
 from nereus.reshard.estimate import estimate_transfers
-from nereus.reshard.graph import LINK_CLASSES, LinkCost, plan_graph
+from nereus.reshard.graph import LINK_CLASSES, LinkCost, calibrate, plan_graph
 
 from ..config import JobConfig, PlanConfig, StageConfig
 
 REBUILD_SECONDS = 0.3  # prior per rebuilt model-stage (this CPU: module build, groups, optimizer)
 EXACT_RANKS = 16  # above: the closed-form price (module docstring)
+
+
+def profile_links(profile) -> LinkCost:
+    """reshard's alpha-beta link prior from a device profile's links (local: local, node:
+    intra, cross: inter; the staged class keeps reshard's default)."""
+    ln = profile.links
+    return LinkCost(alpha={"local": ln["local"].latency, "node": ln["intra"].latency, "cross": ln["inter"].latency},
+                    beta={"local": ln["local"].bandwidth, "node": ln["intra"].bandwidth, "cross": ln["inter"].bandwidth},
+                    ranks_per_node=profile.devices_per_node)
 
 
 def stage_emus(cfg: JobConfig, key: str, sc: StageConfig, nproc: int):
@@ -112,6 +122,12 @@ class TransitionModel:
         tensors = per_stage * (3 if key.endswith(".train") else 1)  # weights, and AdamW's two moments
         i = LINK_CLASSES.index("cross")
         return tensors * self.link.alpha[i] + busiest / self.link.beta[i], busiest * cfg.nproc
+
+    def with_links(self, samples, prior: LinkCost) -> TransitionModel:
+        """``link`` refitted (``reshard.graph.calibrate``, per link class) from measured
+        messages ``(link class, bytes, seconds)`` — the weight syncs' and the transitions'
+        own — over ``prior``."""
+        return dataclasses.replace(self, link=calibrate(samples, prior))
 
     def calibrated(self, measured: list[tuple[float, int, float]]) -> TransitionModel:
         """Refit ``rebuild`` from measured transitions ``(seconds, changed stages, predicted

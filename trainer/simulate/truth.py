@@ -13,9 +13,9 @@ never shown, so that it has to calibrate from its observations as it does live:
   allocator slack and libraries the model does not count (the controller's ``MemoryFit``
   learns the offset); a peak over the device's memory fails the step (out of memory);
 - a transition takes reshard's cost model (``TransitionModel``) on the cluster's own links
-  (``cluster_links``) × a hidden factor, × noise. The controller is not given these links:
-  it prices a move with its own default ``TransitionModel()``, as the live controller
-  (``trainer/loop.py``'s ``JobControl``) does, and calibrates from the measured seconds.
+  (``transition.profile_links``) × a hidden factor, × noise. The controller prices a move
+  on the same links without the factor (its prior, as live) and calibrates the rebuild time
+  from the measured seconds (a simulated step measures no messages: the links stay priors).
 
 Never the controller's current estimates: θ*, slack and factor are fixed before the run.
 """
@@ -36,6 +36,7 @@ from ..controller.candidates import kept_of
 from ..controller.memory import GIB, distinct_ranks, rank_peak
 from ..controller.search import SYNCED, MemoryFit
 from ..controller.steptime import OP_CLASSES, Placement, StepTimeModel, candidate_features, candidate_sync_features
+from ..controller.transition import profile_links
 from ..controller.transition import TransitionModel
 from ..controller.workload import Workload
 from .inputs import TruthInput
@@ -53,14 +54,6 @@ def pieces(cfg: JobConfig) -> list[str]:
         if (key == "actor.train" and not cfg.on_policy) or (key == "critic.train" and "critic.infer" not in stages):
             out.append(f"{key}.infer")
     return out
-
-
-def cluster_links(profile) -> LinkCost:
-    """reshard's alpha-beta link prior from a device profile's links (node: intra, cross: inter)."""
-    ln = profile.links
-    return LinkCost(alpha={"local": ln["local"].latency, "node": ln["intra"].latency, "cross": ln["inter"].latency},
-                    beta={"local": ln["local"].bandwidth, "node": ln["intra"].bandwidth, "cross": ln["inter"].bandwidth},
-                    ranks_per_node=profile.devices_per_node)
 
 
 def workload(cfg: JobConfig, t: TraceStep) -> Workload:
@@ -84,7 +77,7 @@ class Truth:
         self.offset = truth.memory_offset_gib * GIB
         # what the oracle plans with: the real peak of any class of layouts
         self.fit = MemoryFit(offsets={"(truth)": self.offset}, unseen=truth.memory_slack)
-        link = cluster_links(profile)
+        link = profile_links(profile)
         f = truth.transition_factor
         self.transitions = TransitionModel(link=LinkCost(alpha=tuple(a * f for a in link.alpha), beta=tuple(b / f for b in link.beta),
                                                          ranks_per_node=link.ranks_per_node),

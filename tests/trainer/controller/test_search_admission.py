@@ -197,6 +197,7 @@ def test_a_resumed_controller_fits_and_decides_as_the_uninterrupted_one(tmp_path
         metrics = _metrics(step, seconds, 9 + step % 4, response=3.0 + step % 3)
         for record, peak in zip(metrics["stages"].values(), (11, 23, 7, 3)):
             record["peak_bytes"] = [(peak + step % 5) << 20] * 4
+        a.observe_transfers([(0, 1, n, 5e-5 + n / 1e9 * swing) for n in (1 << 10, 1 << 20)])
         a.observe(cfg, metrics)
         if step % 64 == 0 or step > steps - 3:  # as the step loop does (its drift references, the plans left); nothing applied
             a.decide(cfg, metrics)
@@ -212,3 +213,25 @@ def test_a_resumed_controller_fits_and_decides_as_the_uninterrupted_one(tmp_path
     da, db = a.decide(cfg, nxt), b.decide(cfg, nxt)  # the responses tripled: a drift
     assert da is not None and db is not None and da.trigger == db.trigger
     assert (db.admitted, db.new_plan, db.new_seconds, db.reason) == (da.admitted, da.new_plan, da.new_seconds, da.reason)
+
+
+def test_measured_messages_refit_the_transitions_link_costs_over_the_profiles():
+    """Weight syncs' messages between two ranks of one node (the "node" class) at 2 µs + 1 byte
+    per ns: the transitions' link costs become those, the other classes keep the profile's
+    links, and a transition's predicted seconds move with them."""
+    from nereus.reshard.graph import LINK_CLASSES
+
+    cfg = tiny()
+    controller = Controller(cfg, CPU)
+    node = LINK_CLASSES.index("node")
+    prior = controller.transitions.link
+    assert prior.beta[node] == CPU.links["intra"].bandwidth and prior.alpha[node] == CPU.links["intra"].latency
+    new_plan = dataclasses.replace(cfg.plan, actor=dataclasses.replace(cfg.plan.actor, train=dataclasses.replace(
+        cfg.plan.actor.train, dp=2, tp=2)))
+    before = controller.transitions.cost(cfg, cfg.plan, new_plan).seconds
+    controller.observe_transfers([(0, 1, n, 2e-6 + n / 1e9) for n in (1 << 12, 1 << 16, 1 << 20, 1 << 24)] + [(0, 1, 64, 0.0)])
+    fitted = controller.transitions.link
+    assert fitted.alpha[node] == pytest.approx(2e-6, rel=1e-6) and fitted.beta[node] == pytest.approx(1e9, rel=1e-6)
+    assert [fitted.beta[i] for i in range(len(LINK_CLASSES)) if i != node] == [prior.beta[i] for i in range(len(LINK_CLASSES)) if i != node]
+    assert controller.transitions.cost(cfg, cfg.plan, new_plan).seconds != before  # (2 µs a message against 50 µs; 1.0 GB/s against 1.3)
+    assert len(controller.transfers) == 4  # a message of no time is not evidence
