@@ -35,16 +35,20 @@ def record_job(store: MetaStore, config: Mapping) -> JobRecord:
 
 def start_job(store: MetaStore, config: Mapping, *, step: int) -> JobRecord:
     """A job (re)starting at ``step`` (0: a fresh run) with the resolved ``config``, in one
-    compare-and-swap: a fresh run begins a new history; a resumed one keeps the plans and the
-    transitions up to ``step`` (those after it belong to steps the resumed run does again,
-    as ``metrics.jsonl`` is cut back) and takes ``config`` as the job's config."""
+    compare-and-swap: a fresh run begins a new history; a resumed one keeps the transitions
+    up to ``step`` (those after it belong to steps the resumed run does again, as
+    ``metrics.jsonl`` is cut back, and so does an earlier resume at ``step``) and the plans
+    they name, and takes ``config`` as the job's config."""
     if store.get(JOB_KEY) is None:
         record_job(store, config)
 
     def change(job: JobRecord) -> tuple[JobRecord, dict]:
         if step == 0:
             return JobRecord(config=dict(config)), {}
-        return replace(job, config=dict(config), transitions=tuple(t for t in job.transitions if t.step <= step)), {}
+        # a move after step K ran before K's checkpoint was written; a resume at K is this start's to redo
+        kept = tuple(t for t in job.transitions if t.step < step or (t.step == step and t.mode != "resume"))
+        plans = tuple(dict.fromkeys([*job.plans[:1], *(t.to_plan for t in kept)]))  # the plans of the history kept
+        return replace(job, config=dict(config), plans=plans, transitions=kept), {}
 
     return _update_job(store, change)
 
@@ -102,6 +106,18 @@ def record_plan(store: MetaStore, emus: Sequence[EMU], config: Mapping | None = 
 
     _update_job(store, change)
     return chosen[0]
+
+
+def plan_index(store: MetaStore, config: Mapping, emus: Sequence[EMU] = ()) -> int:
+    """The index of the plan record whose config is ``config`` (put back in the job's history
+    if a cut-back history had dropped it), else a new record's (``record_plan``)."""
+    for key in store.keys(PLAN_PREFIX):
+        entry = store.get(key)
+        if entry is not None and entry.value.get("config") == dict(config):
+            index = int(key[len(PLAN_PREFIX):])
+            _update_job(store, lambda job: (job if index in job.plans else replace(job, plans=job.plans + (index,)), {}))
+            return index
+    return record_plan(store, emus, config)
 
 
 def read_plan(store: MetaStore, index: int) -> list[EMU]:

@@ -1,6 +1,9 @@
 """The job's record in the store, beside its checkpoints (``RUN_DIR/checkpoints/meta``):
-its resolved config, every plan it ran (each plan's EMUs, ``plans/<i>``) and every change
-of plan with its predicted and measured cost (``store/job.py``). ``nereus inspect`` shows it.
+its resolved config, every plan it ran (``plans/<i>``, one record per distinct plan) and
+every change of plan with its predicted and measured cost (``store/job.py``). ``nereus
+inspect`` shows it. A plan record holds the plan's config, not its EMUs: they follow from
+it and the job's model (``controller.transition.stage_emus``), and at 1,024 ranks an 8B
+job's EMUs are 122 MB of JSON, seconds to write on rank 0 while the others wait.
 
 Rank 0 keeps it (``JobBook``): at each start (``start``) the config is the start's and the
 transitions after the step it starts from are dropped (the resumed run does those steps
@@ -18,13 +21,6 @@ import sys
 from .config import JobConfig, config_to_dict
 
 
-def plan_emus(cfg: JobConfig) -> list:
-    """Every model-stage's EMUs under ``cfg.plan`` (weights, AdamW state when training)."""
-    from .controller.transition import stage_emus
-
-    return [e for key, sc in cfg.plan.stages().items() for e in stage_emus(cfg, key, sc, cfg.nproc)]
-
-
 class JobBook:
     """Rank 0's writer of the job record (module docstring); ``meta``: the checkpoint root's
     ``MetaStore``."""
@@ -34,18 +30,14 @@ class JobBook:
         self.plan: int | None = None  # the running plan's index
 
     def start(self, cfg: JobConfig, step: int, *, restore_s: float = 0.0) -> None:
-        from nereus.store.job import plan_config, record_plan, record_transition, running_plan, start_job
+        from nereus.store.job import plan_index, record_transition, running_plan, start_job
         from nereus.store.records import Transition
 
         def write() -> None:
             job = start_job(self.meta, config_to_dict(cfg), step=step)
-            plan = config_to_dict(cfg.plan)
             last = running_plan(job)
-            if last is not None and plan_config(self.meta, last) == plan:
-                self.plan = last
-                return
-            self.plan = record_plan(self.meta, plan_emus(cfg), plan)
-            if last is not None:
+            self.plan = plan_index(self.meta, config_to_dict(cfg.plan))
+            if last is not None and last != self.plan:
                 record_transition(self.meta, Transition(step=step, from_plan=last, to_plan=self.plan, predicted_s=0.0,
                                                         measured_s=restore_s, mode="resume"))
 
@@ -53,11 +45,11 @@ class JobBook:
 
     def transitioned(self, cfg: JobConfig, step: int, *, predicted_s: float, measured_s: float, nbytes: int) -> None:
         """``cfg``: the job in its new plan, entered after ``step``."""
-        from nereus.store.job import record_plan, record_transition
+        from nereus.store.job import plan_index, record_transition
         from nereus.store.records import Transition
 
         def write() -> None:
-            new = record_plan(self.meta, plan_emus(cfg), config_to_dict(cfg.plan))
+            new = plan_index(self.meta, config_to_dict(cfg.plan))
             if self.plan is not None:
                 record_transition(self.meta, Transition(step=step, from_plan=self.plan, to_plan=new, predicted_s=float(predicted_s),
                                                         measured_s=float(measured_s), nbytes=int(nbytes), mode="stream"))

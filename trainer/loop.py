@@ -136,6 +136,7 @@ class Trainer:
         self.meter = StageMeter(self.device, baseline)
         self.extra_state: dict = {}  # JSON-able state saved with every checkpoint (the controller's, the sampler's)
         self.messages: deque = deque(maxlen=8 * MESSAGES)  # measured reshard messages, until the controller takes them
+        self.state_providers: dict = {}  # key -> () -> JSON-able state, asked for at each job_state()
         self._reward_metrics: dict = {}
         self.restored_state: dict = {}
 
@@ -571,6 +572,8 @@ class Trainer:
         from .staging import advance_plan_record
 
         self.extra_state["data"] = self.source.state_dict()  # the prompt sampler's position
+        for key, provide in self.state_providers.items():
+            self.extra_state[key] = provide()
         self.extra_state["plan_record"] = advance_plan_record(self.extra_state.get("plan_record"),
                                                               config_to_dict(self.cfg.plan), self.step)
         return {"step": self.step, **self.extra_state}
@@ -928,10 +931,17 @@ class JobControl:
         self.trainer, self.book = trainer, book  # book: rank 0's ``job_record.JobBook``
         self.controller = None
         if trainer.rank == 0:
-            self.controller = Controller(trainer.cfg, load_profile(trainer.cfg.device_profile),
-                                         run_dir=trainer.cfg.run_dir, first_step=first_step)
-            self.controller.load_state(trainer.restored_state.get("controller", {}))
+            profile = load_profile(trainer.cfg.device_profile)
+            self.controller = Controller(trainer.cfg, profile, run_dir=trainer.cfg.run_dir, first_step=first_step)
+            try:
+                self.controller.load_state(trainer.restored_state.get("controller", {}))
+            except Exception as e:  # noqa: BLE001 - a state this version cannot read: re-learned, never a rank that dies alone
+                self.controller = Controller(trainer.cfg, profile, run_dir=trainer.cfg.run_dir, first_step=first_step)
+                print(f"nereus: the controller's saved state was not restored ({type(e).__name__}: {e}); it starts afresh",
+                      file=sys.stderr, flush=True)
         trainer.extra_state["controller"] = {}
+        if self.controller is not None:  # taken when a checkpoint or a staged copy is written, not every step (~1 MB of JSON)
+            trainer.state_providers["controller"] = lambda: self.controller.state_dict()
 
     def after_step(self, metrics: dict, *, decide: bool = True) -> None:
         trainer, decision = self.trainer, None
@@ -945,8 +955,6 @@ class JobControl:
             except Exception as e:  # noqa: BLE001 - a controller failure never stops the job: the plan stays
                 self.controller.failed(int(metrics["step"]), e)
         if not decide:  # every rank knows: no broadcast
-            if self.controller is not None:
-                trainer.extra_state["controller"] = self.controller.state_dict()
             return
         message = [decision.new_plan if decision is not None and decision.admitted else None]
         dist.broadcast_object_list(message, src=0)
@@ -980,8 +988,6 @@ class JobControl:
             if self.book is not None and "error" not in done:
                 self.book.transitioned(trainer.cfg, int(metrics["step"]), predicted_s=decision.transition_seconds,
                                        measured_s=done["seconds"], nbytes=done["bytes"])
-        if self.controller is not None:
-            trainer.extra_state["controller"] = self.controller.state_dict()
 
 
 MESSAGES = 64

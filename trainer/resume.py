@@ -4,8 +4,8 @@
 checkpoint (a controller may have changed it since the config was written):
 ``resumed_plan``. ``nereus resume RUN_DIR [--nproc N] [--set ...]`` continues it on any
 number of processes: ``resume_config`` rebuilds the job from the run's resolved config
-(the store's job record, ``trainer/job_record.py``, updated at every start; else
-``RUN_DIR/config.json``, written at every start too), and
+(``RUN_DIR/config.json``, written first at every start; without it the store's job
+record, ``trainer/job_record.py``, which every start updates too), and
 
 - with ``--set plan...``: the checkpoint's plan with those keys changed, validated;
 - else, if the checkpoint's plan runs on N ranks: that plan;
@@ -39,15 +39,25 @@ def _saved_plan(run_dir: str) -> Mapping | None:
 
 def _job_config(run_dir: str) -> dict | None:
     """The resolved config of the store's job record under ``run_dir`` (its last start's);
-    None when the run has no record (a run from before the record existed)."""
+    None when the run has no record (a run from before the record existed). A record that
+    cannot be read is a ConfigError naming it."""
     from nereus.store.checkpoint import CheckpointStore
     from nereus.store.records import JOB_KEY
+
+    from nereus.store.errors import StoreError
+    from nereus.store.records import check_schema
 
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(os.path.join(root, "meta")):  # opening a store would create one
         return None
-    entry = CheckpointStore(root).meta.get(JOB_KEY)
-    return dict(entry.value["config"]) if entry is not None and isinstance(entry.value.get("config"), dict) else None
+    try:
+        entry = CheckpointStore(root).meta.get(JOB_KEY)
+        if entry is None:
+            return None
+        check_schema(JOB_KEY, entry.value, "job")
+    except StoreError as e:
+        raise ConfigError(f"{root}: cannot read the job record ({e})") from None
+    return dict(entry.value["config"]) if isinstance(entry.value.get("config"), dict) else None
 
 
 def resumed_plan(cfg: JobConfig) -> JobConfig:
@@ -73,16 +83,17 @@ def runs_on(plan: PlanConfig, nproc: int) -> bool:
 def resume_config(run_dir: str, *, nproc: int | None = None, overrides: Sequence[str] = ()) -> tuple[JobConfig, str]:
     """The config ``nereus resume`` continues ``run_dir``'s job with, and how its plan was
     chosen (module docstring). Errors name the run dir: no run there, no checkpoint."""
-    data = _job_config(run_dir)
-    if data is None:
-        path = os.path.join(run_dir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{run_dir}: no config.json, so no `nereus train` run to resume here")
+    path = os.path.join(run_dir, "config.json")
+    if os.path.isfile(path):  # written first at every start: never older than the job record's
         try:
             with open(path) as f:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}: cannot read the run's config ({e})") from None
+    else:
+        data = _job_config(run_dir)
+        if data is None:
+            raise FileNotFoundError(f"{run_dir}: no config.json, so no `nereus train` run to resume here")
     saved = _saved_plan(run_dir)
     if saved is None:
         raise FileNotFoundError(f"{run_dir}: no committed checkpoint to resume from")

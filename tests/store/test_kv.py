@@ -159,28 +159,33 @@ def test_plans_recorded_concurrently_get_distinct_indices(tmp_path):
 
 def test_a_restart_keeps_the_history_up_to_its_step_and_a_fresh_run_starts_a_new_one(tmp_path):
     """``start_job``: a resume at step 4 drops the transitions after it (the steps it redoes)
-    and takes the start's config; a fresh run empties the history, and its plans are numbered
-    past the earlier run's records (plans/<i> are create-only: a reused index would conflict)."""
-    from nereus.reshard.derive import DecoderSpec, derive_emus
-    from nereus.reshard.layout import ParallelConfig
-    from nereus.store.job import plan_config, read_job, record_plan, record_transition, running_plan, start_job
+    and the plans only they named, and takes the start's config; a second start at the same
+    step drops the first one's own ``resume`` move; ``plan_index`` finds a plan by its config
+    (put back in the history) before it records one; a fresh run empties the history, and its
+    new plans are numbered past the earlier run's records (plans/<i> are create-only)."""
+    from nereus.store.job import plan_config, plan_index, read_job, record_plan, record_transition, running_plan, start_job
     from nereus.store.records import Transition
 
     store = MetaStore.open(str(tmp_path / "root"))
-    spec = DecoderSpec(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=2)
-    emus = derive_emus(spec, ParallelConfig.on(tp=2), model="actor", stage="train")
     job = start_job(store, {"steps": 8}, step=0)
     assert job.plans == () and running_plan(job) is None
-    plans = [record_plan(store, emus, {"n": n}) for n in range(3)]
+    plans = [plan_index(store, {"n": n}) for n in range(3)]
+    assert plans == [0, 1, 2] and plan_index(store, {"n": 1}) == 1  # found, not recorded again
     for step, (a, b) in zip((2, 5), zip(plans, plans[1:])):
         record_transition(store, Transition(step=step, from_plan=a, to_plan=b, predicted_s=0.5, measured_s=0.7))
     assert running_plan(read_job(store)) == plans[2]
 
     resumed = start_job(store, {"steps": 12}, step=4)
     assert [t.step for t in resumed.transitions] == [2] and resumed.config == {"steps": 12}
-    assert resumed.plans == tuple(plans) and running_plan(resumed) == plans[1] and plan_config(store, plans[1]) == {"n": 1}
+    assert resumed.plans == (0, 1) and running_plan(resumed) == 1 and plan_config(store, 1) == {"n": 1}
     assert read_job(store) == resumed
+    record_transition(store, Transition(step=4, from_plan=1, to_plan=plan_index(store, {"n": 7}), predicted_s=0.0, measured_s=2.0,
+                                        mode="resume"))  # resumed on another world: plan 3
+    again = start_job(store, {"steps": 12}, step=4)  # that run crashed before its next checkpoint: from step 4 again
+    assert [(t.step, t.mode) for t in again.transitions] == [(2, "stream")] and running_plan(again) == 1
+    assert plan_index(store, {"n": 2}) == 2 and read_job(store).plans == (0, 1, 2)  # the move after 5 again: into plan 2
 
     fresh = start_job(store, {"steps": 3}, step=0)
     assert fresh.plans == () and fresh.transitions == () and fresh.config == {"steps": 3}
-    assert record_plan(store, emus, {"n": 9}) == 3 and running_plan(read_job(store)) == 3
+    assert plan_index(store, {"n": 9}) == 4 and running_plan(read_job(store)) == 4
+    assert record_plan(store, (), {"n": 10}) == 5

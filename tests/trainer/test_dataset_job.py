@@ -93,8 +93,10 @@ def test_a_resumed_dataset_job_draws_the_prompts_the_uninterrupted_one_draws(mad
               "grpo.minibatch_size=64"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert runner.invoke(app, ["train", TINY_TEXT, *job(made, whole, *common)], catch_exceptions=False).exit_code == 0
-    shutil.copytree(whole, split)  # as a crash after step 4 was logged, before it was committed, leaves it
+    shutil.copytree(whole, split)  # as a crash after step 3 was logged, before step 4 was committed, leaves it
     assert CheckpointStore(str(split / "checkpoints")).delete(4)
+    kept = metrics(split)[:2]  # step 3's line false: what the resumed run writes is what is compared
+    (split / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*kept, {**kept[-1], "step": 3, "kl": 9.0}]))
     resumed = runner.invoke(app, ["train", TINY_TEXT, *job(made, split, *common), "--resume"], catch_exceptions=False)
     assert resumed.exit_code == 0, resumed.output
     keys = ("step", "reward_mean", "actor/loss", "kl", "data/position")

@@ -4,8 +4,8 @@ for them, and repeats it up to reduction order (float64); a NaN after a resume s
 and keeps the last good checkpoint.
 
 One uninterrupted 4-step run (checkpoints at steps 2 and 4) is made once; each test resumes a
-copy of it as a crash after step 4 was logged, before it was checkpointed, leaves it: the
-step-4 checkpoint deleted, ``metrics.jsonl`` holding steps 1-4 and a torn line.
+copy of it as a crash after step 3 was logged, before step 4 was checkpointed, leaves it
+(``crashed``).
 """
 
 import json
@@ -51,11 +51,16 @@ def whole(tmp_path_factory):
 
 
 def crashed(whole, run_dir):
-    """A copy of ``whole`` as a crash after step 4 was logged and before it was committed leaves it."""
+    """A copy of ``whole`` as a crash after step 3 was logged and before step 4 was committed
+    leaves it: the step-4 checkpoint gone, step 3's lines false (so that what the resumed run
+    writes is what is compared), a torn line after them."""
     shutil.copytree(whole, run_dir)
     assert CheckpointStore(str(run_dir / "checkpoints")).delete(4)
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write('{"step": 5, "tor')
+    for name in ("metrics.jsonl", "predictions.jsonl"):
+        kept = [r for r in lines(run_dir / name) if r["step"] <= 2]
+        false = {**kept[-1], "step": 3, "actor/loss": 123.0}
+        with open(run_dir / name, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in [*kept, false]) + '{"step": 4, "tor')
     return run_dir
 
 

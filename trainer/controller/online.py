@@ -361,17 +361,18 @@ class Controller:
                 "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples],
                 "transition_samples": [list(x) for x in self.transition_samples], "transfers": [list(x) for x in self.transfers],
                 "errors": list(self.errors),
-                "prompt_mean": self.prompt_mean}
+                "prompt_mean": self.prompt_mean, "profile": self.profile.name}
 
     def load_state(self, state: dict) -> None:
-        """``state_dict``'s state back, and the fits refitted from it (a state saved before
-        the calibration was kept has none: it is re-learned)."""
+        """``state_dict``'s state back, and the fits refitted from it. The calibration is
+        re-learned when the state has none (saved before it was kept) or was measured on
+        another device profile (another kind of hardware)."""
         self.lengths = [(int(a), float(b)) for a, b in state.get("lengths", [])]
         self.left = {k: int(v) for k, v in state.get("left", {}).items()}
         self.watch.reference = dict(state.get("reference", {}))
         self.watch.last_drift = {k: int(v) for k, v in state.get("last_drift", {}).items()}
         self.watch.gaps = {k: list(v) for k, v in state.get("gaps", {}).items()}
-        if "samples" not in state:
+        if "samples" not in state or state.get("profile") != self.profile.name:
             return
         self.samples.load_state_dict(state["samples"])
         self.memory_samples.clear()

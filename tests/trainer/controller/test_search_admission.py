@@ -235,3 +235,14 @@ def test_measured_messages_refit_the_transitions_link_costs_over_the_profiles():
     assert [fitted.beta[i] for i in range(len(LINK_CLASSES)) if i != node] == [prior.beta[i] for i in range(len(LINK_CLASSES)) if i != node]
     assert controller.transitions.cost(cfg, cfg.plan, new_plan).seconds != before  # (2 µs a message against 50 µs; 1.0 GB/s against 1.3)
     assert len(controller.transfers) == 4  # a message of no time is not evidence
+
+
+def test_a_state_measured_on_another_device_profile_keeps_its_history_but_not_its_calibration():
+    cfg = tiny()
+    a = Controller(cfg, CPU)
+    for step in range(1, 6):
+        a.observe(cfg, _metrics(step, {"actor.gen": 0.3, "actor.train": 0.5 + 0.1 * step, "ref.infer": 0.1}, 9))
+    other = dataclasses.replace(CPU, name="cpu-16", cores=16)
+    b = Controller(cfg, other)
+    b.load_state(a.state_dict())
+    assert b.lengths == a.lengths and b.model == Controller(cfg, other).model != a.model and not b.samples.count

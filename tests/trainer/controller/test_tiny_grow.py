@@ -93,8 +93,8 @@ def test_resume_after_a_transition_restarts_in_the_new_plan_and_repeats_the_loss
         assert [(e["step"], e.get("kind")) for e in lines(split / log)] == [(e["step"], e.get("kind")) for e in lines(whole / log)], log
     keys = ("step", "actor/loss", "actor/grad_norm", "reward_mean", "kl")
     assert [[r[k] for k in keys] for r in b] == [[r[k] for k in keys] for r in a]
-    # the store's job record: every move with its measured cost; the resumed run's history
-    # cut back to step 8 and the later moves recorded again, into the same plans
+    # the store's job record: every move with its measured cost, the same after the resume
+    # (this job moves before step 8 only: the cut-back itself is tests/store/test_kv.py's)
     stores = [CheckpointStore(str(d / "checkpoints")).meta for d in (whole, split)]
     jw, js = (read_job(m) for m in stores)
     assert [(t.step, t.mode, t.measured_s) for t in jw.transitions] == [(m["step"], "stream", m["measured_s"]) for m in moves]
