@@ -39,8 +39,7 @@ def start_job(store: MetaStore, config: Mapping, *, step: int) -> JobRecord:
     up to ``step`` (those after it belong to steps the resumed run does again, as
     ``metrics.jsonl`` is cut back, and so does an earlier resume at ``step``) and the plans
     they name, and takes ``config`` as the job's config."""
-    if store.get(JOB_KEY) is None:
-        record_job(store, config)
+    record_job(store, config)  # created if absent
 
     def change(job: JobRecord) -> tuple[JobRecord, dict]:
         if step == 0:
