@@ -76,10 +76,11 @@ def _worker(
         message: tuple[bool, Any] = (True, fn(rank, world_size, *args, **kwargs))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         message = (False, traceback.format_exc())
-    try:
-        conn.send(message)  # pickles here, so an unpicklable result is caught below
+    try:  # plain pickle, bytes by value: the Connection's own pickler shares a tensor's storage as a
+        # file descriptor, which the parent can no longer fetch once this process has exited
+        conn.send_bytes(pickle.dumps(message))  # an unpicklable result is caught below
     except Exception:  # noqa: BLE001
-        conn.send((False, "could not send the result to the parent:\n" + traceback.format_exc()))
+        conn.send_bytes(pickle.dumps((False, "could not send the result to the parent:\n" + traceback.format_exc())))
     finally:
         conn.close()
     if dist.is_initialized():
@@ -119,7 +120,7 @@ def _collect(
                 continue
             if conns[rank].poll():
                 try:
-                    ok, value = conns[rank].recv()
+                    ok, value = pickle.loads(conns[rank].recv_bytes())
                 except EOFError:
                     ok, value = False, None
             else:
