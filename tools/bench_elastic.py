@@ -87,7 +87,14 @@ def workers(parent: int) -> list[int]:
             children += map(int, open(f"/proc/{parent}/task/{task}/children").read().split())
         except OSError:
             pass
-    return [p for p in sorted(set(children)) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+    out = []
+    for pid in sorted(set(children)):
+        try:
+            if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read():
+                out.append(pid)
+        except OSError:  # it exited between the listing and the read
+            pass
+    return out
 
 
 def watch_restart(parent: int, old: list[int], deadline: float) -> dict:
@@ -114,6 +121,20 @@ def evict(root: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def plain_read(root: Path) -> float:
+    """Seconds to read every file under ``root`` into one reused buffer (``readinto``): what
+    a restore of it cannot go below."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    buf = bytearray(max(p.stat().st_size for p in files))
+    t0 = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            view, done = memoryview(buf), 0
+            while (n := f.readinto(view[done:])):
+                done += n
+    return time.perf_counter() - t0
 
 
 def run(run_dir: Path, sets: list[str], *, restarts: int = 0, kill_at: int | None = None, timeout: float = 900) -> dict:
@@ -166,7 +187,14 @@ def _time_restores(staged_root: str, durable_root: str, config_path: str, repeat
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a restore lasts as long as its slowest rank
                 times[kind].append(float(took))
         nbytes = sum(t.numel() * t.element_size() for s in trainer._trained() for t in s.buffers().values())
-        return {**times, "bytes_per_rank": nbytes}
+        reads: dict[str, list[float]] = {"staged": [], "durable": []}
+        if dist.get_rank() == 0:  # the bound: the bytes alone, read plainly (the other rank idle)
+            for _ in range(repeats):
+                reads["staged"].append(plain_read(Path(staged_root)))
+                evict(Path(durable_root))
+                reads["durable"].append(plain_read(Path(durable_root)))
+        dist.barrier()
+        return {**times, "bytes_per_rank": nbytes, "plain_read": reads}
     finally:
         dist.destroy_process_group()
 
@@ -177,7 +205,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=384)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "elastic.json")
     args = parser.parse_args()
     if not 2 <= args.kill_at < args.steps:
@@ -236,6 +264,12 @@ def report(args, base: dict, elastic: dict, res: dict, record: dict) -> None:
     print(f"{'durable (cold)':<18}{durable_s:>10.4f}  {[round(x, 4) for x in res['durable']]}")
     print(f"{'durable (cached)':<18}{warm_s:>10.4f}  {[round(x, 4) for x in res['durable_warm']]}")
     print(f"staged_over_durable {durable_s / staged_s:.2f} cold (bar >= 3); {warm_s / staged_s:.2f} with the durable files in the page cache")
+    reads = res["plain_read"]
+    read_s, read_d = statistics.median(reads["staged"]), statistics.median(reads["durable"])
+    bound = (staged_s + read_d - read_s) / staged_s
+    print(f"the disk's part: both ranks' files read plainly on one rank, staged {read_s:.4f} s, durable cold {read_d:.4f} s "
+          f"({read_d / read_s:.1f}x); the staged restore plus the {read_d - read_s:.4f} s more the cold disk takes for "
+          f"those bytes: {bound:.2f}x (the ratio a restore whose other work is the same on both sources reaches)")
     print()
     print(f"staging per step: copy {statistics.mean(r['staging']['copy_s'] for r in rows):.4f}s, "
           f"wait {statistics.mean(r['staging']['wait_s'] for r in rows):.4f}s, background write "
@@ -248,6 +282,7 @@ def report(args, base: dict, elastic: dict, res: dict, record: dict) -> None:
            "killed_step": elastic["killed"]["step"], "restored": {k: record[k] for k in ("source", "step", "restore_s")},
            "recovery_split_s": splits, "staged_over_durable_cached": warm_s / staged_s,
            "restore_s": {"staged": res["staged"], "durable": res["durable"], "durable_cached": res["durable_warm"]},
+           "plain_read_s": reads, "disk_bound_ratio": bound,
            "staging": {"copy_s": [r["staging"]["copy_s"] for r in rows], "wait_s": [r["staging"]["wait_s"] for r in rows],
                        "write_s": writes, "step_s": steps, "baseline_step_s": base_steps, "ab_share": ab},
            **headline}

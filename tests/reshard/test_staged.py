@@ -221,6 +221,25 @@ def test_staged_errors_name_the_tensor_and_file(shm):
         load_staged(shm, plan, 0, {})
 
 
+def test_a_load_in_the_staged_layout_reads_each_box_into_its_target_and_checks_it_there(shm, monkeypatch):
+    """Restoring in the layout that was staged, every box is one target's whole region: it is
+    read straight into the target, never mapped, and every block is still checked on the
+    bytes read (the same damage as above is refused, naming the tensor)."""
+    plan = _plan(dict(tp=2), dict(tp=2))
+    _stage_all(shm, plan, range(2))
+    monkeypatch.setattr(StagedReader, "_map", lambda self, box: pytest.fail(f"{box.path} was mapped"))
+    assert _load_all(shm, plan, range(2), checksums=True) == []
+    victim = f"{shm}/{box_file('model.layers.1.mlp.down_proj.weight', (0, 32), 0)}"
+    data = open(victim, "rb").read()
+    damaged = bytearray(data)
+    damaged[len(data) - 1] ^= 0x80  # the sign bit of the last float32
+    with open(victim, "wb") as f:
+        f.write(bytes(damaged))
+    with pytest.raises(TransferError, match=r"down_proj.*crc32c .* corrupted"):
+        _load_all(shm, plan, range(2), checksums=True)
+    assert _load_all(shm, plan, range(2)) != []  # unverified, the damage lands: the check above is what caught it
+
+
 # ------------------------------------------------------------- a source rank leaves
 
 
