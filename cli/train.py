@@ -119,7 +119,8 @@ def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv
             last = own_result(launch_local(run_worker, cfg.nproc, cfg, resume, overwrite,
                                            run_id=rdzv_id or f"nereus-train-{uuid.uuid4().hex[:8]}", nnodes=nnodes,
                                            max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint,
-                                           collective_timeout_s=cfg.elastic.collective_timeout_s))
+                                           collective_timeout_s=cfg.elastic.collective_timeout_s,
+                                           last_call_s=cfg.elastic.last_call_s))
         except ChildFailedError as e:
             typer.echo(f"error: workers failed after {max_restarts} restart(s): {e.get_first_failure()[1].message}", err=True)
             raise typer.Exit(1) from None

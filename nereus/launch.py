@@ -11,7 +11,16 @@ its own process instead: torchrun's own agent restarts it.
 
 Deadlines: every collective of the workers has ``elastic.collective_timeout_s``; the
 agent's rendezvous waits ``join_timeout_s``, longer (``rendezvous_timeout``), so a dead
-peer fails the survivors' collectives and becomes a restart, never a hang.
+peer fails the survivors' collectives and becomes a restart, never a hang. Once ``MIN``
+nodes are in, a rendezvous waits ``elastic.last_call_s`` more for others (torchrun's
+``last_call_timeout``, 30 s by default).
+
+Every rendezvous round publishes the workers' store (``publish_store_every_round``): torch's
+dynamic rendezvous with TCP store sharing writes its address only in a node's first round,
+so a node joining a running job waited for keys no one wrote, and both sides failed after
+60 s. The agent also hands its workers the rendezvous round (``RDZV_ROUND_ENV``; 0: the
+launch's first), which tells a restart from a fresh start even when the workers' store is
+new (a node that sorts before the old rank 0 joined and hosts it now).
 """
 
 from __future__ import annotations
@@ -46,13 +55,53 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
+RDZV_ROUND_ENV = "NEREUS_RDZV_ROUND"
+
+
+def publish_store_every_round() -> None:
+    """Wrap torch's ``DynamicRendezvousHandler.next_rendezvous`` (once per process) so that
+    in every round rank 0 writes the address of the workers' store under the round's keys and
+    every other rank reads it from them, and the round number reaches the workers
+    (``RDZV_ROUND_ENV`` in the agent's environment, which its workers inherit).
+
+    torch 2.13 builds that address once per handler: a node's later rounds reuse it, so rank
+    0 never writes it for a round a new node joins (the new node waits for it, rank 0 for the
+    new node's role info: a ``DistStoreError`` on both after 60 s), and a node whose rank 0
+    changed would keep pointing at its old store."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+    real = dr.DynamicRendezvousHandler.next_rendezvous
+    if getattr(real, "nereus_wrapped", False):
+        return
+
+    def next_rendezvous(self):
+        info = real(self)
+        os.environ[RDZV_ROUND_ENV] = str(self._state_holder.state.round)
+        if not self.use_agent_store:
+            return info
+        keys = RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY
+        if info.rank == 0:
+            here = info.bootstrap_store_info
+            info.store.set(keys[0], here.master_addr.encode())
+            info.store.set(keys[1], str(here.master_port).encode())
+            return info
+        addr, port = (info.store.get(k).decode() for k in keys)
+        self._bootstrap_store_info = RendezvousStoreInfo(master_addr=addr, master_port=int(port))
+        return RendezvousInfo(info.store, info.rank, info.world_size, self._bootstrap_store_info)
+
+    next_rendezvous.nereus_wrapped = True
+    dr.DynamicRendezvousHandler.next_rendezvous = next_rendezvous
+
+
 def rendezvous_timeout(collective_timeout_s: float) -> float:
     """The agent's rendezvous join timeout: longer than every collective's deadline."""
     return max(600.0, 2.0 * collective_timeout_s)
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "nereus", nnodes: str = "1",
-                 max_restarts: int = 0, rdzv_endpoint: str | None = None, collective_timeout_s: float = 300.0) -> dict[int, Any]:
+                 max_restarts: int = 0, rdzv_endpoint: str | None = None, collective_timeout_s: float = 300.0,
+                 last_call_s: int = 30) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nproc`` local processes (per node); returns this node's ranks'
     return values by global rank (of the last attempt, when the agent restarted them).
     Several nodes meet under ``run_id``, which must then be the same on every node.
@@ -76,11 +125,12 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "
         run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
-        rdzv_configs={"join_timeout": rendezvous_timeout(collective_timeout_s)},
+        rdzv_configs={"join_timeout": rendezvous_timeout(collective_timeout_s), "last_call_timeout": last_call_s},
         max_restarts=max_restarts,
         start_method="spawn",
         monitor_interval=0.1,
     )
+    publish_store_every_round()
     return elastic_launch(config, fn)(*args)
 
 

@@ -865,7 +865,7 @@ def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, time
     decision. ``{"trainer", "first", "record"}`` (``record``: how it was restored, None when
     fresh), or ``{"error": message}`` on every rank."""
     from .resume import plan_for_start
-    from .staging import (DURABLE_REFUSED, agree_sources, launch_round, new_lineage, publish_lineage, restart_count,
+    from .staging import (DURABLE_REFUSED, agree_sources, launch_round, new_lineage, publish_lineage, rdzv_round, restart_count,
                           restore_newest, staging_mode)
 
     durable = os.path.join(cfg.run_dir, "checkpoints")
@@ -893,7 +893,7 @@ def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, time
     except (FileNotFoundError, ConfigError) as e:  # every rank sees the same store
         return {"error": str(e)}
     times["built"] = time.time()
-    attempt = {"attempt": restart_count(), "round": launch_round(), "plan": how}
+    attempt = {"attempt": restart_count(), "round": launch_round(), "rdzv_round": rdzv_round(), "world": cfg.nproc, "plan": how}
     if not sources:
         trainer.extra_state["lineage"] = start["lineage"] or _agreed(new_lineage())
         if trainer.rank == 0:

@@ -130,7 +130,7 @@ def plan_for_world(cfg: JobConfig, saved: Mapping | None, world: int) -> tuple[J
     cfg = cfg if cfg.nproc == world else replace(cfg, nproc=world)
     if saved:
         plan = _build(PlanConfig, saved, "plan.")
-        if plan == cfg.plan:
+        if plan == cfg.plan and runs_on(plan, world):
             return cfg, "the restored state's plan"
         if runs_on(plan, world):
             resumed = replace(cfg, plan=plan)

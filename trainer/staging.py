@@ -189,15 +189,26 @@ def launch_round() -> int | None:
     return _LAUNCH.get("round")
 
 
-def decide_restart(restarts: int, round_number: int | None) -> bool:
+def decide_restart(restarts: int, round_number: int | None, rdzv_round: int | None = None) -> bool:
     """Whether a start continues its launch (pure): the agent restarted the workers after a
-    failure, or this is not the launch's first rendezvous round (a membership change)."""
-    return restarts > 0 or (round_number is not None and round_number > 1)
+    failure, or this is not the launch's first rendezvous round (a membership change) by the
+    workers' store's count or by the agent's rendezvous (``rdzv_round``, 0 first: it still
+    counts when a node that joined hosts a new workers' store)."""
+    return restarts > 0 or (round_number is not None and round_number > 1) or (rdzv_round is not None and rdzv_round > 0)
+
+
+def rdzv_round() -> int | None:
+    """The agent's rendezvous round this worker started in (``nereus.launch``'s agent sets
+    it; None under torchrun's own agent)."""
+    from nereus.launch import RDZV_ROUND_ENV
+
+    value = os.environ.get(RDZV_ROUND_ENV)
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def is_restart() -> bool:
     """``decide_restart`` for this process (after ``enter_launch``)."""
-    return decide_restart(restart_count(), launch_round())
+    return decide_restart(restart_count(), launch_round(), rdzv_round())
 
 
 def launch_lineage() -> str | None:

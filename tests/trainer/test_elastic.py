@@ -5,11 +5,13 @@ previous staged step valid. Plus the pure checks of a staged copy."""
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -147,6 +149,68 @@ def test_a_killed_worker_is_restarted_from_the_staged_step_and_each_step_is_logg
     assert not os.path.exists(shm_dir)  # the finished run gave the node's memory back
 
 
+def _launcher(run_dir, endpoint: str, steps: int) -> subprocess.Popen:
+    """One node's `nereus train --nnodes 1:2` (its own session: the launcher and its workers
+    die together)."""
+    sets = [*SMALL, *ONE, f"steps={steps}", "checkpoint_every=1", "elastic.collective_timeout_s=30", "elastic.last_call_s=2"]
+    cmd = [sys.executable, "-c", "from nereus.cli.app import main; main()", "train", TINY_GRPO, "--run-dir", str(run_dir),
+           "--nnodes", "1:2", "--max-restarts", "3", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+           *[a for s in sets for a in ("--set", s)]]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for(run_dir, ok, deadline: float, what: str) -> list[dict]:
+    while time.monotonic() < deadline:
+        lines = read_metrics(run_dir)
+        if ok(lines):
+            return lines
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}; metrics: {[(r['step'], len(r['peak_memory_bytes'])) for r in read_metrics(run_dir)]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_that_joins_and_a_node_that_leaves_resize_the_job_and_lose_no_committed_step(tmp_path):
+    """Two `nereus train --nnodes 1:2` launchers on this machine stand for two nodes (their
+    run dir for a shared filesystem), one process each. Node A starts alone; node B joins
+    once step 2 is logged: A's agent restarts its workers, the job re-plans for 2 ranks and
+    restores the newest durable step (staging is off on several nodes). Once two steps ran
+    on both, B dies (SIGKILL of its launcher and worker): A's worker fails its collectives,
+    the job re-plans for 1 rank, restores and finishes. Each step is logged once."""
+    from nereus.store.checkpoint import CheckpointStore
+    from tests.distributed_harness import free_port
+
+    run_dir, endpoint, steps = tmp_path / "run", f"127.0.0.1:{free_port()}", 40
+    a = _launcher(run_dir, endpoint, steps)
+    b = None
+    try:
+        deadline = time.monotonic() + 240
+        _wait_for(run_dir, lambda rows: len(rows) >= 2, deadline, "step 2 on node A")
+        b = _launcher(run_dir, endpoint, steps)
+        both = _wait_for(run_dir, lambda rows: sum(len(r["peak_memory_bytes"]) == 2 for r in rows) >= 2, deadline, "2 steps on 2 nodes")
+        assert both[-1]["step"] < steps - 4, "the job ran too fast to leave steps for after the leave"
+        os.killpg(b.pid, signal.SIGKILL)
+        b.wait(timeout=30)
+        out, _ = a.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for job in (a, b):
+            if job is not None and job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    assert a.returncode == 0, out
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), "each step exactly once"
+    worlds = [len(r["peak_memory_bytes"]) for r in rows]
+    changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
+    assert changes == [1, 2, 1], worlds  # alone, with B, alone again
+    restores = [json.loads(line) for line in (run_dir / "restores.jsonl").read_text().splitlines()]
+    assert [(r["world"], r["source"]) for r in restores] == [(2, "durable"), (1, "durable")], restores
+    assert all(r["rdzv_round"] > 0 for r in restores), restores  # both are restarts of the launch, not fresh starts
+    assert [r["plan"] for r in restores] == ["planned for 2 ranks by the controller", "the launch's plan"]
+    joined, left = (worlds.index(2) + 1, len(worlds) - worlds[::-1].index(2))  # the first and the last step on 2 ranks
+    assert (restores[0]["step"], restores[1]["step"]) == (joined - 1, left)  # each world went on from the last committed step
+    assert CheckpointStore(str(run_dir / "checkpoints")).steps()[-1] == steps
+
+
 def _train_and_stage(rank, world, run_dir, shm_dir):
     """One gloo rank: 2 steps, a durable checkpoint at step 1, the staged copy of step 2; a
     fresh trainer restores from the newest valid source, then again once a byte of a staged
@@ -276,6 +340,140 @@ def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, s
     store.verify(store.manifest(1))  # every block of step 1 against its checksums
     view = local_view(shm_dir, str(tmp_path / "run" / "checkpoints"))
     assert view["staged"]["step"] == 1 and check_staged(view["staged"], durable_step=None, run_dir=str(tmp_path / "run")) is None
+
+
+def _actor_state(trainer, rank):
+    """actor.train's every parameter and AdamW tensor, gathered whole on rank 0 (raw bytes)."""
+    import torch
+
+    from nereus.reshard.gather import gather_full
+
+    stage = trainer.stages["actor.train"]
+    full = gather_full(stage.emus, stage.buffers() if stage.member else {}, rank)
+    return None if full is None else {n: t.contiguous().view(-1).view(torch.uint8).numpy().copy() for n, t in full.items()}
+
+
+def _kill_while_saving(rank, world, run_dir):
+    """Save step 1 durably, then die (SIGKILL) inside the durable save of step 2, after its
+    first two box files are written."""
+
+    from nereus.store import dcp_io
+    from nereus.trainer.loop import Trainer
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}"])
+    os.makedirs(run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    trainer.run_step()
+    trainer.save()
+    with open(os.path.join(run_dir, "step1.pkl"), "wb") as f:
+        pickle.dump(_actor_state(trainer, rank), f)
+    trainer.run_step()
+    real, calls = dcp_io.write_file, []
+
+    def dying(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    dcp_io.write_file = dying
+    trainer.save()
+    return "survived"
+
+
+def _restore_and_gather(rank, world, run_dir, sets):
+    """A fresh trainer restores the newest valid source (staged, else durable), as a
+    restarted worker does; rank 0 returns (step, source, actor state, plan it was saved in)."""
+    from nereus.trainer.loop import Trainer
+    from nereus.trainer.staging import agree_sources, restore_newest
+
+    cfg = load_config(TINY_GRPO, [*sets, f"run_dir={run_dir}"])
+    trainer = Trainer(cfg)
+    sources, reasons = agree_sources(cfg, trainer.checkpoint_root())
+    step, record = restore_newest(trainer, sources, reasons)
+    state = _actor_state(trainer, rank)
+    return (step, record, state) if rank == 0 else None
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two states of raw bytes (``_actor_state``) hold the same tensors, byte for byte."""
+    import numpy as np
+
+    return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(180)
+def test_a_kill_during_a_durable_write_loses_nothing_committed(tmp_path):
+
+    from nereus.store.checkpoint import CheckpointStore
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        run_distributed(_kill_while_saving, 1, str(run_dir), timeout=110)
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    assert store.steps() == [1]  # step 2's manifest never committed
+    data = lambda: sorted(os.listdir(os.path.join(store.root, "data")))  # noqa: E731
+    assert len(data()) == 2  # step 1's, and step 2's torn data (two box files of it) that no manifest names
+    store.verify(store.manifest(1))  # every block of step 1 against its checksums
+    step, record, state = run_distributed(_restore_and_gather, 1, str(run_dir), [*SMALL, *ONE], timeout=110)[0]
+    assert step == 1 and record["source"] == "durable"
+    assert _same(state, pickle.loads((run_dir / "step1.pkl").read_bytes()))  # every element of the actor's committed state
+    assert len(data()) == 1  # the restore removed the torn save
+
+
+def _kill_mid_transition(rank, world, run_dir, shm_dir):
+    """2 ranks: a step, its state staged; then a live transition of actor.train (dp2 -> tp2),
+    in which rank 1 dies (SIGKILL) right after posting its first message."""
+
+    from nereus.reshard import transport
+    from nereus.trainer.loop import Trainer
+    from nereus.trainer.staging import Stager
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *TWO, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}", "elastic.collective_timeout_s=30"])
+    os.makedirs(run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    trainer.run_step()
+    stager = Stager(cfg, rank)
+    trainer.stage(stager)
+    stager.saver.wait()
+    before = _actor_state(trainer, rank)
+    if rank == 0:
+        with open(os.path.join(run_dir, "before.pkl"), "wb") as f:
+            pickle.dump(before, f)
+    if rank == 1:
+        real = transport.Transport.isend
+
+        def dying(self, *args, **kwargs):
+            work = real(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return work
+
+        transport.Transport.isend = dying
+    plan = cfg.plan
+    new = replace(plan, actor=replace(plan.actor, train=replace(plan.actor.train, dp=1, tp=2)))
+    trainer.apply_plan(new)
+    return "moved"
+
+
+@pytest.mark.timeout(240)
+def test_a_kill_halfway_through_a_transition_leaves_the_old_committed_state_usable(tmp_path, shm_dir):
+
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.trainer.resume import plan_for_start
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        run_distributed(_kill_mid_transition, 2, str(run_dir), shm_dir, timeout=150)
+    staged = CheckpointStore(shm_dir)
+    assert staged.steps() == [1]
+    staged.verify(staged.manifest(1))
+    step, record, state = run_distributed(_restore_and_gather, 2, str(run_dir),
+                                          [*SMALL, *TWO, f"elastic.staging_dir={shm_dir}"], timeout=150)[0]
+    assert step == 1 and record["source"] == "staged"
+    assert _same(state, pickle.loads((run_dir / "before.pkl").read_bytes()))  # every element, as before the transition began
+    cfg = load_config(TINY_GRPO, [*SMALL, *TWO, f"run_dir={run_dir}"])
+    restarted, how = plan_for_start(cfg, staged.manifest(1).plan, 2)
+    assert restarted.plan == cfg.plan and how == "the restored state's plan"  # the old plan: the move never committed
 
 
 # ------------------------------------------------------------------ pure checks
@@ -446,11 +644,13 @@ def test_a_restart_is_told_from_a_fresh_start_by_the_launchs_store():
     assert set(round_of(again.port, 2).values()) == {1}  # a new launch: fresh, whatever its rendezvous id
     assert not decide_restart(0, 1) and decide_restart(0, 2) and decide_restart(1, 2) and not decide_restart(0, None)
     assert decide_restart(1, None)  # without an agent store: the restart count alone
+    # a joined node sorting first hosts a new workers' store (its count starts over): the agent's rendezvous round still tells
+    assert decide_restart(0, 1, 1) and not decide_restart(0, 1, 0) and not decide_restart(0, None, None)
 
 
 def test_a_start_plans_for_the_world_there_is():
     from nereus.trainer.config import config_to_dict
-    from nereus.trainer.resume import plan_for_start
+    from nereus.trainer.resume import plan_for_start, runs_on
 
     cfg = load_config(TINY_GRPO, [*SMALL, *TWO])
     same, how = plan_for_start(cfg, None, 2)
@@ -460,6 +660,9 @@ def test_a_start_plans_for_the_world_there_is():
     moved = config_to_dict(load_config(TINY_GRPO, [*SMALL, *TWO, "plan.actor.gen.dp=2", "plan.actor.gen.tp=1"]).plan)
     got, how = plan_for_start(cfg, moved, 2)  # a restart (also under --resume) takes the restored state's plan
     assert (got.plan.actor.gen.dp, got.plan.actor.gen.tp) == (2, 1) and how == "the restored state's plan"
+    # a node joined: the restored plan (the launch's too) holds 2 of the 4 ranks there are now
+    grown, how = plan_for_start(cfg, config_to_dict(cfg.plan), 4)
+    assert grown.nproc == 4 and runs_on(grown.plan, 4) and how == "planned for 4 ranks by the controller"
 
 
 def test_a_restarted_worker_takes_the_restored_plan_where_it_runs():
