@@ -1,4 +1,5 @@
-"""`nereus train` end to end: rewards rise, bad input stops cleanly (resume: test_resume.py).
+"""`nereus train` end to end: bad input stops cleanly, the training step's pieces (the default
+job's learning, through a stop and resumes on 2 and 3 processes: test_resume.py).
 
 Each job runs on 4 local gloo processes through the same launcher the CLI uses.
 """
@@ -14,7 +15,6 @@ from typer.testing import CliRunner
 from nereus.cli.app import app
 from nereus.store.checkpoint import CheckpointStore
 from nereus.trainer.config import load_config
-from nereus.trainer.tasks import build_task, chance_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
@@ -30,33 +30,6 @@ def train(*args: str):
 def metrics(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-# Mean reward over the last 10 steps the default job (`nereus train` alone) must reach with
-# its fixed seed; chance (uniform random responses) is ~0.057 for the shipped task. Measured
-# here (rollouts sampled by step and row): 0.072 -> 0.968 (seed 0; seed 1: 0.076 -> 0.967),
-# first 5 -> last 10 steps. GRPO's learning is held by the dataset job (tiny_text, tiny_grpo's
-# settings) and by the controller's tiny_grow (test_dataset_job.py, controller/test_tiny_grow.py).
-THRESHOLD = 0.8
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_the_default_job_learns_well_above_chance(tmp_path):
-    result = train("--run-dir", str(tmp_path))  # no config: the shipped tiny_ppo
-    assert result.exit_code == 0, result.output
-    rows = metrics(tmp_path)
-    cfg = load_config(TINY_PPO)
-    assert [r["step"] for r in rows] == list(range(1, cfg.steps + 1))
-    for key in ("reward_mean", "kl", "stage_seconds", "tokens_per_s", "peak_memory_bytes"):
-        assert key in rows[-1], key
-    assert len(rows[-1]["peak_memory_bytes"]) == cfg.nproc
-    chance = chance_reward(build_task(cfg.task), cfg.rollout.max_new_tokens)
-    first = sum(r["reward_mean"] for r in rows[:5]) / 5
-    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
-    assert first < 3 * chance
-    assert last >= THRESHOLD, f"reward {first:.3f} -> {last:.3f} (chance {chance:.3f})"
-    assert os.listdir(tmp_path / "tensorboard")
 
 
 @pytest.mark.parametrize(
