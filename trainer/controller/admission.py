@@ -8,20 +8,38 @@ Triggers, checked before every step:
 - ``world`` (urgent): the number of ranks changed;
 - ``drift:<signal>``: a watched signal moved more than ``drift`` (relative) since the last
   replan. Signals: the mean and the longest response length, and each model-stage's share
-  of the measured step time. After every replan, admitted or not, the references reset.
+  of the measured step time. After every replan, admitted or not, the references reset;
+- ``first``: the first step observed (``Controller``): the running plan was planned before
+  any step was measured (for the config's longest responses), never for the observed work.
 
-Admission (the Nereus paper: admit if ΔL > 0 and L_tran / ΔL ≤ γ · H), with two additions:
+Admission (the Nereus paper: admit if ΔL > 0 and L_tran / ΔL ≤ γ · H), judged on the gain
+accumulated over the horizon rather than per step:
 
     ΔL   = predicted seconds per step of the running plan − of the best plan
+    σ    = the uncertainty of ΔL, seconds per step: ``band`` · √Σ (old_k² + new_k²) over the
+           model-stages k whose layout or prediction differs (``difference_spread``)
+    h    = min(H, steps left)
+    G    = h · ΔL − √h · σ        (the accumulated gain, less its uncertainty)
     admit  if  urgent
-           or  ΔL > band · predicted(running)            (a gain beyond the model's own error)
-           and L_tran ≤ γ · min(H, steps left) · ΔL      (it pays for itself in time)
+           or  G > 0 and L_tran ≤ γ · G            (it pays for itself, even if the model erred)
            and the best plan was not left within the last ``hysteresis`` steps
 
-``band`` is the step-time model's measured mean relative error on this job (``Controller``
-keeps it); ``H`` the moving average of the steps between drifts of the signal that
-triggered (1 before a second drift). Every decision, admitted or not, is returned as a
-``Decision`` for ``transitions.jsonl``.
+Why the difference's band, not the running plan's: the relative error of a prediction
+(``band``, the step-time model's measured mean relative error on this job, ``Controller``
+keeps it) is shared by the pieces the two plans have in common — their predictions are the
+same numbers, and cancel in ΔL — so only the pieces that change carry it, taken independent
+(an upper bound: two layouts of one stage share its coefficients, so their errors correlate).
+Why √h: the band is measured step by step, and most of it is each step's own variation
+(lengths, stragglers, noise), which averages over the horizon; what the model gets wrong
+in a layout it has not run is learned on its first steps there (it recalibrates every step),
+and a move that turned out slower is weighed again at the next trigger. A steady 2%/step gain
+over 200 steps is taken; a 2% gain for one step within a 5% band is not.
+
+``H`` is the mean of the last gaps between drifts of the signal that triggered, the first gap
+counted from the step the signal was first seen (``DriftWatch``), never less than the
+lookahead (``Controller``: a plan is chosen to fit that many steps, so it is expected to run
+them). Every decision, admitted or not, is returned as a ``Decision`` for
+``transitions.jsonl``.
 """
 
 from __future__ import annotations
@@ -57,12 +75,13 @@ class DriftWatch:
 
     def check(self, step: int, signals: dict[str, float]) -> list[str]:
         """The signals that drifted past ``drift`` since their reference (a signal seen
-        for the first time only sets its reference)."""
+        for the first time only sets its reference, and starts its first gap)."""
         out = []
         for name, value in signals.items():
             ref = self.reference.get(name)
             if ref is None:
                 self.reference[name] = value
+                self.last_drift.setdefault(name, step)
                 continue
             if abs(value - ref) > self.drift * max(abs(ref), 1e-12):
                 out.append(name)
@@ -75,9 +94,22 @@ class DriftWatch:
         self.reference = dict(signals)
 
     def horizon(self, name: str, window: int = 5) -> float:
-        """H: the mean of the last ``window`` gaps between drifts of ``name`` (1 before any)."""
+        """H: the mean of the last ``window`` gaps between drifts of ``name``, the first from
+        the step it was first seen (1 before any)."""
         gaps = self.gaps.get(name, [])[-window:]
         return sum(gaps) / len(gaps) if gaps else 1.0
+
+
+def difference_spread(old: dict[str, float], new: dict[str, float], band: float, changed=()) -> float:
+    """σ of the module docstring: seconds per step, ``band`` of the pieces that differ
+    between the two plans' per-model-stage predictions (``old``, ``new``; a stage in
+    ``changed`` counts even where its prediction happens to be equal)."""
+    total = 0.0
+    for key in old.keys() | new.keys():
+        a, b = old.get(key, 0.0), new.get(key, 0.0)
+        if key in changed or abs(a - b) > 1e-12 * max(abs(a), abs(b), 1e-30):
+            total += a * a + b * b
+    return band * total ** 0.5
 
 
 def admit(
@@ -88,19 +120,22 @@ def admit(
     transition_seconds: float,
     horizon: float,
     steps_left: int,
-    band: float,
+    spread: float,
     gamma: float,
     recently_left: bool,
 ) -> tuple[bool, str]:
-    """(admitted, reason) by the rule of the module docstring."""
+    """(admitted, reason) by the rule of the module docstring (``spread``: σ, s/step)."""
     gain = old_seconds - new_seconds
     if urgent:
         return True, "urgent: the running plan cannot run the coming step"
-    if gain <= band * old_seconds:
-        return False, f"gain {gain:.4g} s/step is within the model's error band ({band:.0%} of {old_seconds:.4g} s)"
+    h = max(min(horizon, steps_left), 0.0)
+    won = h * gain - h ** 0.5 * spread
+    if won <= 0:
+        return False, (f"gain {gain:.4g} s/step over min(H, steps left) = {h:.4g} steps is within the model's error "
+                       f"(h·ΔL − √h·σ = {won:.4g} s, σ = {spread:.4g} s/step)")
     if recently_left:
         return False, "the best plan was left within the hysteresis window"
-    pays = gamma * min(horizon, steps_left) * gain
+    pays = gamma * won
     if transition_seconds > pays:
-        return False, f"transition {transition_seconds:.4g} s > γ·min(H, steps left)·ΔL = {pays:.4g} s"
-    return True, f"pays back: transition {transition_seconds:.4g} s <= {pays:.4g} s"
+        return False, f"transition {transition_seconds:.4g} s > γ·(h·ΔL − √h·σ) = {pays:.4g} s"
+    return True, f"pays back: transition {transition_seconds:.4g} s <= γ·(h·ΔL − √h·σ) = {pays:.4g} s"

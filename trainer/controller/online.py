@@ -10,10 +10,14 @@ The step loop calls, on one rank (rank 0; the decision is broadcast to the other
 step) beside its measurement in ``RUN_DIR/predictions.jsonl`` with the running error, then
 recalibrates: the step-time model on every piece seen so far (``steptime.calibrate``),
 and the memory correction (``fit_memory``: per class of training layouts, the largest
-shortfall of the model against its recent measured peaks). ``decide`` checks the triggers of
-``admission``, searches (``search``) for the coming step's workload, prices the best
-plan's transition (``transition``) and applies the admission rule; every decision it
-returns goes to ``RUN_DIR/transitions.jsonl``. When the running plan no longer fits, the
+shortfall of the model against its recent measured peaks; a class not run yet priced with
+the margin the job's own entries into new classes needed, ``Controller.unseen``, the prior
+``UNSEEN_MARGIN`` before any). ``decide`` checks the triggers of ``admission`` (the first
+observed step among them: the initial plan was made before any step was measured), searches
+(``search``) for the coming step's workload, prices the best plan's transition
+(``transition``) and applies the admission rule (the gain accumulated over the horizon, less
+the error band of the pieces that change); every decision it returns goes to
+``RUN_DIR/transitions.jsonl``. When the running plan no longer fits, the
 running layouts with activation recompute (``selective``, then ``full``: a retune, no state
 moves) are weighed with the searched plans, and taken for the coming step when no plan fits
 the lookahead, before the controller gives up.
@@ -34,7 +38,7 @@ from dataclasses import asdict
 import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
-from .admission import Decision, DriftWatch, admit
+from .admission import Decision, DriftWatch, admit, difference_spread
 from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
 from .search import MemoryFit, PlanChoice, device_budget, plan_seconds, rank_class, search
@@ -46,9 +50,14 @@ from .workload import Workload
 MIN_BAND = 0.05
 """The smallest error band used, however well the step-time model has fitted so far."""
 UNSEEN_MARGIN = 0.25
-"""A class of training layouts (``search.rank_class``) the job has not run yet is priced at
-the largest correction measured plus this share of the model's peak: FSDP2's, TP's and PP's
-buffers are what the model counts least well (on CPU FSDP2 measured ~20% over it)."""
+"""The prior of the unseen margin: a class of training layouts (``search.rank_class``) the job
+has not run yet is priced at the largest correction measured plus this share of the model's
+peak: FSDP2's, TP's and PP's buffers are what the model counts least well (on CPU FSDP2
+measured ~20% over it). Once the job has entered a class it had not run, the margin is what
+such entries measured instead (``Controller.unseen``), never above this prior."""
+MIN_UNSEEN = 0.05
+"""The unseen margin's floor: one entry into a new class that happened to need nothing says
+little of the next (the next may be FSDP2's, which the model counts least well)."""
 
 
 def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) -> dict[str, float] | None:
@@ -99,6 +108,7 @@ class Controller:
         self.transfers: deque = deque(maxlen=2000)  # measured messages: (link class, bytes, seconds)
         self.samples = SampleRows(4000)  # the step-time samples seen, as the calibration's rows
         self.memory_samples: deque = deque(maxlen=400)
+        self.surprises: dict[str, float] = {}  # per class entered after another ran: the margin it needed (``unseen``)
         self.transition_samples: list[tuple[float, int, float]] = []
         self.errors: deque = deque(maxlen=20)
         self.lengths: list[tuple[int, float]] = []
@@ -178,9 +188,26 @@ class Controller:
         for rank in range(max(0, n - keep) if keep is not None else 0, n):
             resident, transient, cls = terms[rows[rank]]
             self.memory_samples.append((cls, resident, transient, measured[rank]))
+        known = self.memory.offsets
+        if known:  # a class run for the first time: the share of the model's peak its correction exceeded the largest known by
+            top, peak_of = max(known.values()), np.asarray(measured, dtype=np.float64)
+            for g, (resident, transient, cls) in enumerate(terms):
+                model = resident + transient
+                if cls not in known and cls not in self.surprises and model > 0 and (group == g).any():
+                    self.surprises[cls] = (float(peak_of[group == g].max()) - model - top) / model
         if self.settings.calibrate:
-            self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
-        return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes}
+            self.memory = fit_memory(list(self.memory_samples), unseen=self.unseen)
+        return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes, "unseen_margin": self.unseen}
+
+    @property
+    def unseen(self) -> float:
+        """The margin of a class not run yet (``MemoryFit.unseen``): the largest that the job's
+        entries into new classes needed (``surprises``: measured peak − model − the largest
+        correction known then, over the model; ``MIN_UNSEEN`` at least), the prior
+        ``UNSEEN_MARGIN`` before any, never above it. The calibrated corrections are what the controller trusts, so
+        the margin for what it has not seen is learned the same way: from what entering new
+        classes turned out to cost on this job."""
+        return min(UNSEEN_MARGIN, max(MIN_UNSEEN, max(self.surprises.values()))) if self.surprises else UNSEEN_MARGIN
 
     # ------------------------------------------------------------------ deciding
 
@@ -210,13 +237,16 @@ class Controller:
             triggers.append("world")
             urgent = True
         signals = self.signals(cfg, metrics)
+        first = bool(signals) and not self.watch.reference  # the first step seen: the plan was made for no observed work
         drifted = self.watch.check(self.step, signals)
-        triggers += [f"drift:{name}" for name in drifted]
+        triggers += [f"drift:{name}" for name in drifted] + (["first"] if first else [])
         if not triggers:
             return None
-        old = self._predict(cfg, cfg.plan, ahead, where)  # (pure: priced once a trigger fired)
+        old_stages = plan_seconds(cfg, cfg.plan, ahead, where, self.model)  # (pure: priced once a trigger fired)
+        old = sum(old_stages.values())
         self.watch.reset(signals)
-        horizon = max((self.watch.horizon(n) for n in drifted), default=1.0)
+        # H (admission): the drifts' mean gap, at least the lookahead a plan is chosen to fit
+        horizon = max([self.watch.horizon(n) for n in drifted] + [float(ahead_steps)])
         common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
         # over the budget: the running layouts' micro-batches, token budgets and recompute retune in place (no state moves)
         retunes = self._retunes(cfg, ahead) if "infeasible" in triggers else []
@@ -259,9 +289,11 @@ class Controller:
                                               reason=f"no better plan's transition fits the budget (old and new state held: {gib(held or 0)} GiB)"))
         cost = cost or price(best)
         steps_left = max(cfg.steps - self.step, 0)
+        running = cfg.plan.stages()
+        changed = {k for k, sc in best.plan.stages().items() if running.get(k) != sc}
         ok, reason = admit(
             urgent=urgent, old_seconds=old, new_seconds=best.seconds, transition_seconds=cost.seconds, horizon=horizon,
-            steps_left=steps_left, band=self.band, gamma=self.settings.gamma,
+            steps_left=steps_left, spread=difference_spread(old_stages, best.stage_seconds, self.band, changed), gamma=self.settings.gamma,
             recently_left=self.step - self.left.get(plan_key(best.plan), -10**9) < self.settings.hysteresis,
         )
         decision = Decision(**common, admitted=ok, reason=reason, new_plan=config_to_dict(best.plan), new_seconds=best.seconds,
@@ -360,7 +392,7 @@ class Controller:
                 "gaps": {k: list(v) for k, v in self.watch.gaps.items()},
                 "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples],
                 "transition_samples": [list(x) for x in self.transition_samples], "transfers": [list(x) for x in self.transfers],
-                "errors": list(self.errors),
+                "errors": list(self.errors), "surprises": dict(self.surprises),
                 "prompt_mean": self.prompt_mean, "profile": self.profile.name}
 
     def load_state(self, state: dict) -> None:
@@ -382,12 +414,13 @@ class Controller:
         self.transfers.extend((str(k), int(n), float(t)) for k, n, t in state.get("transfers", []))
         self.errors.clear()
         self.errors.extend(float(e) for e in state["errors"])
+        self.surprises = {str(k): float(v) for k, v in state.get("surprises", {}).items()}
         self.prompt_mean = None if state["prompt_mean"] is None else float(state["prompt_mean"])
         if self.settings.calibrate:
             if self.samples.count:
                 self.model = self.model.calibrate_rows(self.samples.matrix())
             if self.memory_samples:
-                self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
+                self.memory = fit_memory(list(self.memory_samples), unseen=self.unseen)
             if self.transfers:
                 self.transitions = self.transitions.with_links(list(self.transfers), self.links)
             if self.transition_samples:

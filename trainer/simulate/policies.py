@@ -21,6 +21,10 @@
   cached per 5% bucket of the longest response (``BUCKET``) and world, planned at the bucket's
   upper edge (so they fit every step in it) with the step's mean-to-longest ratio, and the
   fastest by the truth of their top 3 (``TOP``) taken at each step.
+- ``oracle_headroom`` (a bound beside the oracle, not among the default policies): the same,
+  its plans' real peaks kept within the device's memory less the 10% headroom the controller
+  keeps (``memory.HEADROOM``), as the controller's own plans are. What a controller that keeps
+  the headroom could reach if it knew the truth; the oracle also spends that headroom.
 
 A controller that raises (in ``observe``, ``decide`` or its world path) is logged through
 ``Controller.failed`` and the plan kept, as ``trainer/loop.py``'s ``JobControl`` does; the
@@ -296,6 +300,7 @@ class Oracle(Policy):
     name = "oracle"
     BUCKET = 1.05
     TOP = 3
+    KEPT = 1.0  # the share of the device's memory its plans' real peaks stay within is 1 / KEPT
 
     def __init__(self, cfg: JobConfig, truth: Truth) -> None:
         super().__init__(cfg, truth)
@@ -313,7 +318,8 @@ class Oracle(Policy):
         key = (n, edge)
         if key not in self.cache:
             # the truth's peaks are exact: its budget is the device's own (the search keeps 10% headroom)
-            cfg = dataclasses.replace(self.base, nproc=n, device_memory_gib=self.truth.profile.memory_gib * HEADROOM)
+            memory = self.truth.profile.memory_gib / self.KEPT
+            cfg = dataclasses.replace(self.base, nproc=n, device_memory_gib=memory * HEADROOM)
             work = self.truth.work(cfg, dataclasses.replace(t, response_max=edge, response_mean=t.response_mean * edge / t.response_max))
             t0 = time.perf_counter()
             try:
@@ -324,7 +330,7 @@ class Oracle(Policy):
                 found.append(self.base.plan)
             # the search prices a pipeline by its first and last stage; a middle one can hold more
             # (selective recompute checkpoints blocks of an even index): the oracle checks every rank
-            limit = self.truth.profile.memory_gib * (1 << 30)
+            limit = memory * (1 << 30)
             self.cache[key] = [p for p in found if max(self.truth.peaks(dataclasses.replace(cfg, plan=p), work)) <= limit][: self.TOP]
             self.decision_ms.append((time.perf_counter() - t0) * 1e3)
         return self.cache[key]
@@ -352,4 +358,11 @@ class Oracle(Policy):
             self.cfg = best
 
 
-POLICIES = {"fixed": Fixed, "adaptive": Adaptive, "greedy": Greedy, "oracle": Oracle}
+class HeadroomOracle(Oracle):
+    """``oracle_headroom`` (module docstring): the oracle within the controller's headroom."""
+
+    name = "oracle_headroom"
+    KEPT = HEADROOM
+
+
+POLICIES = {"fixed": Fixed, "adaptive": Adaptive, "greedy": Greedy, "oracle": Oracle, "oracle_headroom": HeadroomOracle}

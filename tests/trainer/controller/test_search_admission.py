@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from nereus.trainer.config import ConfigError, load_config
-from nereus.trainer.controller.admission import DriftWatch, admit
+from nereus.trainer.controller.admission import DriftWatch, admit, difference_spread
 from nereus.trainer.controller.memory import HEADROOM, pipeline_memory
 from nereus.trainer.controller.online import Controller
 from nereus.trainer.controller.profiles import load_profile
@@ -79,31 +79,81 @@ def _yaml(path):
     return yaml.safe_load(open(path))
 
 
-def test_the_rule_refuses_a_gain_below_the_transition_cost_and_within_the_error_band():
+def test_the_rule_refuses_a_gain_below_the_transition_cost_and_within_the_error():
     common = dict(urgent=False, horizon=4, steps_left=100, gamma=0.5, recently_left=False)
-    # γ · H · ΔL = 0.5 · 4 · 0.2 = 0.4 s: a transition of 0.39 s pays back, one of 0.41 s does not
-    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.39, band=0.05, **common)
+    # no uncertainty: γ · h · ΔL = 0.5 · 4 · 0.2 = 0.4 s: a transition of 0.39 s pays back, one of 0.41 s does not
+    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.39, spread=0.0, **common)
     assert ok, why
-    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.41, band=0.05, **common)
-    assert not ok and "transition 0.41 s > γ·min(H, steps left)·ΔL = 0.4 s" in why
-    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.39, band=0.05, **{**common, "steps_left": 2})
-    assert not ok  # two steps left: 0.2 s is all it could win back
-    ok, why = admit(old_seconds=1.0, new_seconds=0.97, transition_seconds=0.0, band=0.05, **common)
-    assert not ok and "error band" in why
-    ok, why = admit(old_seconds=1.0, new_seconds=0.5, transition_seconds=0.1, band=0.05, **{**common, "recently_left": True})
+    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.41, spread=0.0, **common)
+    assert not ok and "transition 0.41 s > γ·(h·ΔL − √h·σ) = 0.4 s" in why
+    # σ = 0.1 s/step: γ · (h·ΔL − √h·σ) = 0.5 · (0.8 − 2 · 0.1) = 0.3 s
+    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.29, spread=0.1, **common)
+    assert ok, why
+    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.31, spread=0.1, **common)
+    assert not ok and "= 0.3 s" in why
+    ok, why = admit(old_seconds=1.0, new_seconds=0.8, transition_seconds=0.39, spread=0.0, **{**common, "steps_left": 2})
+    assert not ok  # two steps left: 0.4 s is all it could win back, 0.2 s at γ
+    ok, why = admit(old_seconds=1.0, new_seconds=0.97, transition_seconds=0.0, spread=0.1, **common)
+    assert not ok and "within the model's error" in why  # 4 · 0.03 < 2 · 0.1
+    ok, why = admit(old_seconds=1.0, new_seconds=0.5, transition_seconds=0.1, spread=0.0, **{**common, "recently_left": True})
     assert not ok and "hysteresis" in why
-    ok, _ = admit(old_seconds=1.0, new_seconds=2.0, transition_seconds=99.0, band=0.05, **{**common, "urgent": True})
+    ok, _ = admit(old_seconds=1.0, new_seconds=2.0, transition_seconds=99.0, spread=0.0, **{**common, "urgent": True})
     assert ok
+    ok, _ = admit(old_seconds=1.0, new_seconds=1.0, transition_seconds=0.0, spread=0.0, **common)
+    assert not ok  # no gain, nothing to win
 
 
-def test_horizon_is_the_mean_gap_between_drifts():
+def test_a_small_sustained_gain_is_taken_when_it_pays_back_over_the_horizon():
+    """A 2%/step gain inside a 5% band: refused over one step (the old per-step rule refused
+    it at any horizon), taken over 200 steps — 400 s won, √200 · 5 s of it uncertain, a 10 s
+    transition — unless fewer steps are left than it needs."""
+    common = dict(urgent=False, old_seconds=100.0, new_seconds=98.0, transition_seconds=10.0, spread=5.0, gamma=0.5, recently_left=False)
+    ok, why = admit(horizon=200, steps_left=1000, **common)
+    assert ok, why
+    ok, why = admit(horizon=1, steps_left=1000, **common)
+    assert not ok and "within the model's error" in why
+    ok, why = admit(horizon=200, steps_left=8, **common)  # 16 s won, √8 · 5 = 14 s uncertain: 1 s at γ < 10 s
+    assert not ok and "transition 10 s" in why
+
+
+def test_the_difference_band_counts_only_the_pieces_that_change():
+    old, new = {"actor.gen": 10.0, "actor.train": 5.0, "ref.infer": 2.0}, {"actor.gen": 10.0, "actor.train": 3.0, "ref.infer": 2.0}
+    assert difference_spread(old, new, 0.1) == pytest.approx(0.1 * (25 + 9) ** 0.5)
+    # a stage whose layout changed counts even where its prediction did not
+    assert difference_spread(old, new, 0.1, changed={"actor.gen"}) == pytest.approx(0.1 * (100 + 100 + 25 + 9) ** 0.5)
+    assert difference_spread(old, old, 0.1) == 0.0
+    # far below the band on the running plan's whole step (0.1 · 17 s)
+    assert difference_spread(old, new, 0.1) < 0.1 * sum(old.values())
+
+
+def test_horizon_is_the_mean_gap_between_drifts_the_first_from_the_first_sighting():
     watch = DriftWatch(drift=0.3)
+    assert watch.horizon("len") == 1.0
     assert watch.check(0, {"len": 10.0}) == []
     for step, value in [(3, 14.0), (6, 9.0), (10, 14.0)]:
         assert watch.check(step, {"len": value}) == ["len"]
         watch.reset({"len": value})
-    assert watch.horizon("len") == pytest.approx((3 + 4) / 2)
+    assert watch.horizon("len") == pytest.approx((3 + 3 + 4) / 3)
     assert watch.check(11, {"len": 15.0}) == []  # 7% from the reference 14
+    late = DriftWatch(drift=0.3)  # a signal that took 40 steps to drift once: H = 40, not 1
+    late.check(0, {"len": 10.0})
+    assert late.check(40, {"len": 14.0}) == ["len"] and late.horizon("len") == 40
+
+
+def test_the_first_step_observed_triggers_a_search_over_at_least_the_lookahead(tmp_path):
+    """The running plan was made before any step was measured: the first observation
+    triggers (``first``), and a decision's horizon is never below the lookahead."""
+    cfg = tiny()
+    controller = Controller(cfg, CPU)
+    seconds = {"actor.gen": 0.2, "actor.train": 0.6, "ref.infer": 0.1, "sync.actor.gen": 0.02}
+    metrics = _metrics(1, seconds, 9)
+    controller.observe(cfg, metrics)
+    decision = controller.decide(cfg, metrics)
+    assert decision is not None and "first" in decision.trigger.split(",")
+    assert decision.horizon >= min(cfg.controller.lookahead, cfg.steps - 1)
+    metrics = _metrics(2, seconds, 9)
+    controller.observe(cfg, metrics)
+    assert controller.decide(cfg, metrics) is None  # nothing drifted: no second ``first``
 
 
 def _metrics(step: int, seconds: dict[str, float], width: int, response: float = 4.0) -> dict:
@@ -246,3 +296,57 @@ def test_a_state_measured_on_another_device_profile_keeps_its_history_but_not_it
     b = Controller(cfg, other)
     b.load_state(a.state_dict())
     assert b.lengths == a.lengths and b.model == Controller(cfg, other).model != a.model and not b.samples.count
+
+
+def test_the_unseen_margin_is_learned_from_entering_a_new_class():
+    """Before the job has entered a class it had not run, an unseen class is priced with the
+    prior margin; after, with what that entry needed (its peak over the model and the largest
+    correction known then, as a share of the model), kept through ``state_dict``."""
+    import json
+
+    from nereus.trainer.controller.memory import distinct_ranks
+    from nereus.trainer.controller.online import MIN_UNSEEN, UNSEEN_MARGIN, _rank_terms
+
+    cfg = tiny()
+    moved = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, actor=dataclasses.replace(
+        cfg.plan.actor, train=dataclasses.replace(cfg.plan.actor.train, dp=2, tp=2, dp_shard=False))))
+    ctl = Controller(cfg, CPU)
+
+    def model_peaks(c):  # the memory model's own peak (no correction) of every rank
+        out = [0] * c.nproc
+        work = Workload.from_config(c).at(4, 4.0)
+        for (held,), ranks in distinct_ranks(c, (c.plan,), seq=work.width):
+            r, t, _ = _rank_terms(c.plan, list(held))
+            for rank in ranks.tolist():
+                out[rank] = r + t
+        return out
+
+    def step(c, n, peaks):
+        metrics = _metrics(n, {"actor.gen": 0.2, "actor.train": 0.6, "ref.infer": 0.1}, 9)
+        for record in metrics["stages"].values():
+            record["peak_bytes"] = peaks
+        return ctl.observe(c, metrics)["memory"]
+
+    base = model_peaks(cfg)
+    offset = 3 << 20
+    step(cfg, 1, [p + offset for p in base])
+    assert ctl.unseen == UNSEEN_MARGIN and ctl.memory.unseen == UNSEEN_MARGIN  # no entry into a new class yet
+    new = model_peaks(moved)
+    assert rank_class_of(moved) != rank_class_of(cfg)
+    line = step(moved, 2, [int(p * 1.08) + offset for p in new])
+    assert line["unseen_margin"] == pytest.approx(0.08, abs=1e-3) and ctl.memory.unseen == pytest.approx(0.08, abs=1e-3)
+    step(moved, 3, [int(p * 1.5) + offset for p in new])  # a class already entered: not a new surprise
+    assert ctl.unseen == pytest.approx(0.08, abs=1e-3)
+    other = Controller(cfg, CPU)
+    other.load_state(json.loads(json.dumps(ctl.state_dict())))
+    assert other.unseen == ctl.unseen and other.memory == ctl.memory
+    ctl.surprises["x"] = 2.0  # never above the prior
+    assert ctl.unseen == UNSEEN_MARGIN
+    ctl.surprises = {"y": -0.1}  # an entry that needed less than the model: never below the floor
+    assert ctl.unseen == MIN_UNSEEN
+
+
+def rank_class_of(cfg):
+    from nereus.trainer.controller.search import rank_class
+
+    return rank_class(cfg.plan.stages().items())

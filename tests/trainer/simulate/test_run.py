@@ -202,14 +202,17 @@ def test_a_world_change_goes_through_the_controllers_urgent_path(monkeypatch):
 
     monkeypatch.setattr(Truth, "transition", spy)
     cluster, job = load_cluster(CLUSTER), load_job(JOB)
-    steps = [TraceStep(step=s, devices=32 if s < 3 else 64, response_max=600, response_mean=400.0) for s in range(1, 6)]
+    # the world grows before step 2: after step 1 the controller has moved once (``first``: its plan
+    # was made for the config's longest responses), and the world change is its second decision
+    steps = [TraceStep(step=s, devices=32 if s < 2 else 64, response_max=600, response_mean=400.0) for s in range(1, 6)]
     r = simulate(cluster, job, steps, policies=("fixed", "adaptive"))
+    assert [m.trigger for m in r.results["adaptive"].moves][:1] == ["first"]
     world = [m for m in r.results["adaptive"].moves if m.kind in ("world", "restart")]
-    assert len(world) == 1 and world[0].step == 3 and world[0].devices == 64 and "world" in world[0].trigger and world[0].seconds > 0
+    assert len(world) == 1 and world[0].step == 2 and world[0].devices == 64 and "world" in world[0].trigger and world[0].seconds > 0
     # charged at the truth's cost, not the controller's prediction
     assert world[0].kind == "world" and world[0].seconds in [c[0] for c in charged] and world[0].seconds != world[0].predicted_s
     fixed = r.results["fixed"]
-    assert [s["devices"] for s in fixed.steps] == [32, 32, 64, 64, 64] and fixed.moves[0].kind == "world"
+    assert [s["devices"] for s in fixed.steps] == [32, 64, 64, 64, 64] and fixed.moves[0].kind == "world"
 
 
 def test_greedy_overrides_only_the_admission_rule():
@@ -227,3 +230,30 @@ def test_greedy_decides_every_step(small_result):
     greedy, adaptive = r.results["greedy"], r.results["adaptive"]
     assert len(greedy.decision_ms) == 23  # every step but the last (no step follows it)
     assert len(adaptive.decision_ms) < len(greedy.decision_ms)
+
+
+def test_the_headroom_oracle_keeps_the_controllers_headroom_and_bounds_the_oracle_from_below(small, monkeypatch):
+    """``oracle_headroom``: every step on a plan whose real peak is within the device's memory
+    less the controller's headroom; the oracle, allowed the whole memory, is no slower."""
+    from nereus.trainer.controller.memory import GIB, HEADROOM
+    from nereus.trainer.simulate.policies import HeadroomOracle, Oracle
+    from nereus.trainer.simulate.truth import Truth
+
+    cluster, job, trace = small
+    seen = []
+    choices = HeadroomOracle.choices
+
+    def spy(self, n, t):
+        got = choices(self, n, t)
+        seen.extend((t, dataclasses.replace(self.base, nproc=n, plan=p)) for p in got)
+        return got
+
+    monkeypatch.setattr(HeadroomOracle, "choices", spy)
+    r = simulate(cluster, job, trace, policies=("fixed", "oracle", "oracle_headroom"))
+    assert HeadroomOracle.KEPT == HEADROOM and Oracle.KEPT == 1.0 and seen
+    truth_limit = cluster.profile().memory_gib * GIB / HEADROOM
+    truth = Truth(job.truth, cluster.profile(), prompt_mean=job.prompt.mean)
+    assert all(max(truth.peaks(cfg, truth.work(cfg, t))) <= truth_limit for t, cfg in seen)
+    bound, oracle = r.results["oracle_headroom"], r.results["oracle"]
+    assert len(bound.ran) == len(oracle.ran) == len(trace)
+    assert oracle.mean_latency <= bound.mean_latency * (1 + 1e-9) < r.results["fixed"].mean_latency
