@@ -62,7 +62,8 @@ def publish_store_every_round() -> None:
     """Wrap torch's ``DynamicRendezvousHandler.next_rendezvous`` (once per process) so that
     in every round rank 0 writes the address of the workers' store under the round's keys and
     every other rank reads it from them, and the round number reaches the workers
-    (``RDZV_ROUND_ENV`` in the agent's environment, which its workers inherit).
+    (``RDZV_ROUND_ENV`` = ``<run id>:<round>`` in the agent's environment, which its workers
+    inherit; a worker trusts it only under the same ``TORCHELASTIC_RUN_ID``).
 
     torch 2.13 builds that address once per handler: a node's later rounds reuse it, so rank
     0 never writes it for a round a new node joins (the new node waits for it, rank 0 for the
@@ -77,18 +78,18 @@ def publish_store_every_round() -> None:
 
     def next_rendezvous(self):
         info = real(self)
-        os.environ[RDZV_ROUND_ENV] = str(self._state_holder.state.round)
+        os.environ[RDZV_ROUND_ENV] = f"{self._settings.run_id}:{self._state_holder.state.round}"
         if not self.use_agent_store:
             return info
         keys = RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY
-        if info.rank == 0:
-            here = info.bootstrap_store_info
+        if info.rank == 0:  # this node's own server (torch made one when it first was rank 0), never a cached address
+            here = RendezvousStoreInfo(master_addr=self._this_node.addr, master_port=self._shared_tcp_store_server.port)
             info.store.set(keys[0], here.master_addr.encode())
             info.store.set(keys[1], str(here.master_port).encode())
-            return info
-        addr, port = (info.store.get(k).decode() for k in keys)
-        self._bootstrap_store_info = RendezvousStoreInfo(master_addr=addr, master_port=int(port))
-        return RendezvousInfo(info.store, info.rank, info.world_size, self._bootstrap_store_info)
+            self._bootstrap_store_info = here
+            return RendezvousInfo(info.store, info.rank, info.world_size, here)
+        addr, port = (info.store.get(k).decode() for k in keys)  # this round's rank 0's; not kept for a later round
+        return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(master_addr=addr, master_port=int(port)))
 
     next_rendezvous.nereus_wrapped = True
     dr.DynamicRendezvousHandler.next_rendezvous = next_rendezvous
@@ -131,7 +132,10 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "
         monitor_interval=0.1,
     )
     publish_store_every_round()
-    return elastic_launch(config, fn)(*args)
+    try:
+        return elastic_launch(config, fn)(*args)
+    finally:  # this launch's round must not reach what this process starts later
+        os.environ.pop(RDZV_ROUND_ENV, None)
 
 
 def own_result(results: dict[int, Any]) -> Any:

@@ -527,10 +527,13 @@ class StagedReader(StorageReader):
         """The common case of a restore in the plan it was saved in: the box is one item's
         whole region and the target a contiguous CPU tensor of its dtype. The file is read
         straight into the target (no map, no page faults, one copy) and each block checked
-        on the target's bytes. False, touching nothing, when the case does not apply."""
+        on the target's bytes, so on an error the target holds unverified bytes (as any
+        failed load's buffers: not to be used). The checksum list is read and checked first.
+        False, touching nothing, when the case does not apply."""
         if (target.device.type != "cpu" or not target.is_contiguous() or target.dtype != DTYPES[box.dtype]
                 or tuple(item.lengths) != tuple(box.lengths) or any(item.storage_offsets)):
             return False
+        block, sums = self._checksums(box) if self.verify else (0, [])
         out = target.detach().view(-1).view(torch.uint8).numpy()
         with open(box.path, "rb", buffering=0) as f:
             done = 0
@@ -542,7 +545,6 @@ class StagedReader(StorageReader):
                 done += n
         self.bytes_read += box.nbytes
         if self.verify:
-            block, sums = self._checksums(box)
             for b in range(len(sums)):
                 lo, hi = b * block, min((b + 1) * block, box.nbytes)
                 check_block(box, b, lo, hi, f"{crc32c(out[lo:hi]):08x}", sums[b])

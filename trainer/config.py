@@ -329,7 +329,7 @@ class ElasticConfig:
     staging_dir: str | None = None  # a local absolute path; None: /dev/shm/nereus-<run id> (a hash of the run dir's absolute path)
     staging_keep: int = 2  # staged steps kept (>= 1): the newest may be half-written when a worker dies
     collective_timeout_s: float = 300.0  # every collective's deadline (>= 30 s, finite); the agent's rendezvous waits longer
-    last_call_s: int = 30  # seconds a rendezvous waits for more nodes once MIN are in (torchrun's last_call_timeout; >= 0)
+    last_call_s: int = 30  # seconds a rendezvous waits for more nodes once MIN are in (torchrun's last_call_timeout; >= 1)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -883,8 +883,9 @@ def _check_elastic(cfg: JobConfig) -> None:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < MIN_COLLECTIVE_TIMEOUT_S:
         raise ConfigError(f"config key 'elastic.collective_timeout_s' must be a finite number of seconds >= "
                           f"{MIN_COLLECTIVE_TIMEOUT_S:g} (it is also the workers' store timeout at start), got {t!r}")
-    if isinstance(e.last_call_s, bool) or not isinstance(e.last_call_s, int) or e.last_call_s < 0:
-        raise ConfigError(f"config key 'elastic.last_call_s' must be an integer number of seconds >= 0, got {e.last_call_s!r}")
+    if isinstance(e.last_call_s, bool) or not isinstance(e.last_call_s, int) or e.last_call_s < 1:
+        raise ConfigError(f"config key 'elastic.last_call_s' must be an integer number of seconds >= 1 (torch's "
+                          f"last_call_timeout), got {e.last_call_s!r}")
     if e.staging_dir is not None and "://" in e.staging_dir:
         raise ConfigError(f"config key 'elastic.staging_dir' must be a local path (node memory, e.g. under /dev/shm), "
                           f"not a URL: got {e.staging_dir!r}")

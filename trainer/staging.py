@@ -199,11 +199,14 @@ def decide_restart(restarts: int, round_number: int | None, rdzv_round: int | No
 
 def rdzv_round() -> int | None:
     """The agent's rendezvous round this worker started in (``nereus.launch``'s agent sets
-    it; None under torchrun's own agent)."""
+    it as ``<run id>:<round>``); None under torchrun's own agent, or when it names another
+    launch than this worker's ``TORCHELASTIC_RUN_ID`` (a value inherited from elsewhere)."""
     from nereus.launch import RDZV_ROUND_ENV
 
-    value = os.environ.get(RDZV_ROUND_ENV)
-    return int(value) if value is not None and value.isdigit() else None
+    run_id, _, number = os.environ.get(RDZV_ROUND_ENV, "").rpartition(":")
+    if not run_id or run_id != os.environ.get("TORCHELASTIC_RUN_ID") or not number.isdigit():
+        return None
+    return int(number)
 
 
 def is_restart() -> bool:

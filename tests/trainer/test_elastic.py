@@ -149,14 +149,15 @@ def test_a_killed_worker_is_restarted_from_the_staged_step_and_each_step_is_logg
     assert not os.path.exists(shm_dir)  # the finished run gave the node's memory back
 
 
-def _launcher(run_dir, endpoint: str, steps: int) -> subprocess.Popen:
+def _launcher(run_dir, endpoint: str, steps: int, shm_dir: str, log) -> subprocess.Popen:
     """One node's `nereus train --nnodes 1:2` (its own session: the launcher and its workers
-    die together)."""
-    sets = [*SMALL, *ONE, f"steps={steps}", "checkpoint_every=1", "elastic.collective_timeout_s=30", "elastic.last_call_s=2"]
+    die together), its output to the file ``log`` (a pipe nobody reads could fill and stall it)."""
+    sets = [*SMALL, *ONE, f"steps={steps}", "checkpoint_every=1", "elastic.collective_timeout_s=30", "elastic.last_call_s=2",
+            f"elastic.staging_dir={shm_dir}"]
     cmd = [sys.executable, "-c", "from nereus.cli.app import main; main()", "train", TINY_GRPO, "--run-dir", str(run_dir),
            "--nnodes", "1:2", "--max-restarts", "3", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
            *[a for s in sets for a in ("--set", s)]]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait_for(run_dir, ok, deadline: float, what: str) -> list[dict]:
@@ -170,7 +171,7 @@ def _wait_for(run_dir, ok, deadline: float, what: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_node_that_joins_and_a_node_that_leaves_resize_the_job_and_lose_no_committed_step(tmp_path):
+def test_a_node_that_joins_and_a_node_that_leaves_resize_the_job_and_lose_no_committed_step(tmp_path, shm_dir):
     """Two `nereus train --nnodes 1:2` launchers on this machine stand for two nodes (their
     run dir for a shared filesystem), one process each. Node A starts alone; node B joins
     once step 2 is logged: A's agent restarts its workers, the job re-plans for 2 ranks and
@@ -181,22 +182,27 @@ def test_a_node_that_joins_and_a_node_that_leaves_resize_the_job_and_lose_no_com
     from tests.distributed_harness import free_port
 
     run_dir, endpoint, steps = tmp_path / "run", f"127.0.0.1:{free_port()}", 40
-    a = _launcher(run_dir, endpoint, steps)
+    logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("a", "b")}
+    a = _launcher(run_dir, endpoint, steps, shm_dir, logs["a"])
     b = None
     try:
         deadline = time.monotonic() + 240
         _wait_for(run_dir, lambda rows: len(rows) >= 2, deadline, "step 2 on node A")
-        b = _launcher(run_dir, endpoint, steps)
+        b = _launcher(run_dir, endpoint, steps, shm_dir, logs["b"])
         both = _wait_for(run_dir, lambda rows: sum(len(r["peak_memory_bytes"]) == 2 for r in rows) >= 2, deadline, "2 steps on 2 nodes")
         assert both[-1]["step"] < steps - 4, "the job ran too fast to leave steps for after the leave"
         os.killpg(b.pid, signal.SIGKILL)
         b.wait(timeout=30)
-        out, _ = a.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        a.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for job in (a, b):
             if job is not None and job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
-    assert a.returncode == 0, out
+                job.wait(10)
+        for log in logs.values():
+            log.close()
+    out = (tmp_path / "a.log").read_text(errors="replace")
+    assert a.returncode == 0, out[-6000:]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), "each step exactly once"
     worlds = [len(r["peak_memory_bytes"]) for r in rows]
@@ -204,7 +210,7 @@ def test_a_node_that_joins_and_a_node_that_leaves_resize_the_job_and_lose_no_com
     assert changes == [1, 2, 1], worlds  # alone, with B, alone again
     restores = [json.loads(line) for line in (run_dir / "restores.jsonl").read_text().splitlines()]
     assert [(r["world"], r["source"]) for r in restores] == [(2, "durable"), (1, "durable")], restores
-    assert all(r["rdzv_round"] > 0 for r in restores), restores  # both are restarts of the launch, not fresh starts
+    assert [r["rdzv_round"] for r in restores] == [1, 2] and [r["round"] for r in restores] == [2, 3], restores  # restarts
     assert [r["plan"] for r in restores] == ["planned for 2 ranks by the controller", "the launch's plan"]
     joined, left = (worlds.index(2) + 1, len(worlds) - worlds[::-1].index(2))  # the first and the last step on 2 ranks
     assert (restores[0]["step"], restores[1]["step"]) == (joined - 1, left)  # each world went on from the last committed step
@@ -354,8 +360,8 @@ def _actor_state(trainer, rank):
 
 
 def _kill_while_saving(rank, world, run_dir):
-    """Save step 1 durably, then die (SIGKILL) inside the durable save of step 2, after its
-    first two box files are written."""
+    """Save step 1 durably, then die (SIGKILL) inside the durable save of step 2, as its third
+    box file's write starts (two writes began before it)."""
 
     from nereus.store import dcp_io
     from nereus.trainer.loop import Trainer
@@ -413,7 +419,7 @@ def test_a_kill_during_a_durable_write_loses_nothing_committed(tmp_path):
     store = CheckpointStore(str(run_dir / "checkpoints"))
     assert store.steps() == [1]  # step 2's manifest never committed
     data = lambda: sorted(os.listdir(os.path.join(store.root, "data")))  # noqa: E731
-    assert len(data()) == 2  # step 1's, and step 2's torn data (two box files of it) that no manifest names
+    assert len(data()) == 2  # step 1's, and step 2's torn data dir that no manifest names
     store.verify(store.manifest(1))  # every block of step 1 against its checksums
     step, record, state = run_distributed(_restore_and_gather, 1, str(run_dir), [*SMALL, *ONE], timeout=110)[0]
     assert step == 1 and record["source"] == "durable"
@@ -457,6 +463,9 @@ def _kill_mid_transition(rank, world, run_dir, shm_dir):
 
 @pytest.mark.timeout(240)
 def test_a_kill_halfway_through_a_transition_leaves_the_old_committed_state_usable(tmp_path, shm_dir):
+    """A live transition moves into fresh buffers and commits nothing: a rank that dies in it
+    (its first message posted) kills the attempt, and the restart restores the step staged
+    before the move, in the old plan, byte for byte."""
 
     from nereus.store.checkpoint import CheckpointStore
     from nereus.trainer.resume import plan_for_start
@@ -583,6 +592,12 @@ def test_elastic_config_and_flags_are_checked():
         load_config(TINY_GRPO, ["elastic.staging_dir=s3://bucket/stage"])
     with pytest.raises(ConfigError, match="did you mean 'elastic.staging_dir'"):
         load_config(TINY_GRPO, ["elastic.staging_dirr=/x"])
+    for bad in ("0", "-3"):  # torch refuses a last_call_timeout of 0 only at launch, unnamed
+        with pytest.raises(ConfigError, match="'elastic.last_call_s' must be an integer number of seconds >= 1"):
+            load_config(TINY_GRPO, [f"elastic.last_call_s={bad}"])
+    for bad in ("1.5", "true"):
+        with pytest.raises(ConfigError, match="'elastic.last_call_s' expects int"):
+            load_config(TINY_GRPO, [f"elastic.last_call_s={bad}"])
     assert parse_nnodes("1:3") == (1, 3) and parse_nnodes("2") == (2, 2)
     for bad in ("0:2", "3:1", "a:b"):
         with pytest.raises(ValueError, match=f"--nnodes '{bad}'"):
@@ -646,6 +661,70 @@ def test_a_restart_is_told_from_a_fresh_start_by_the_launchs_store():
     assert decide_restart(1, None)  # without an agent store: the restart count alone
     # a joined node sorting first hosts a new workers' store (its count starts over): the agent's rendezvous round still tells
     assert decide_restart(0, 1, 1) and not decide_restart(0, 1, 0) and not decide_restart(0, None, None)
+
+
+def test_the_agents_rendezvous_round_counts_only_under_its_own_launch(monkeypatch):
+    from nereus.launch import RDZV_ROUND_ENV
+    from nereus.trainer.staging import rdzv_round
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    for value, want in (("job-a:3", 3), ("job-a:0", 0), ("job-b:3", None), ("3", None), ("job-a:x", None)):
+        monkeypatch.setenv(RDZV_ROUND_ENV, value)
+        assert rdzv_round() == want, value  # a value another launch left in the environment is not this one's round
+    monkeypatch.delenv(RDZV_ROUND_ENV)
+    assert rdzv_round() is None
+
+
+@pytest.mark.timeout(120)
+def test_every_rendezvous_round_names_the_store_of_its_own_rank_0():
+    """Two agents' rendezvous handlers in one process (torch's c10d backend on loopback, the
+    wrapper of nereus.launch): A alone; B, which sorts first, joins (B is rank 0: both use
+    B's store); B dies; A alone again uses its own store, not B's dead one. Without the
+    wrapper torch hands the joining node no address at all, and A would keep B's."""
+    import threading
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from nereus.launch import RDZV_ROUND_ENV, publish_store_every_round
+    from tests.distributed_harness import free_port
+
+    publish_store_every_round()
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def handler():
+        return get_rendezvous_handler(RendezvousParameters(backend="c10d", endpoint=endpoint, run_id="rank0", min_nodes=1,
+                                                           max_nodes=2, join_timeout=60, last_call_timeout=1,
+                                                           keep_alive_interval=1, keep_alive_max_attempt=3))
+
+    b, a = handler(), handler()  # b first: the lower pid-free descriptor sorts first
+    assert sorted([a._this_node, b._this_node])[0] == b._this_node
+    got = {}
+
+    def meet(name, h):
+        info = h.next_rendezvous()
+        got[name] = (info.rank, info.world_size, info.bootstrap_store_info.master_port)
+
+    try:
+        meet("a alone", a)
+        joined = threading.Thread(target=meet, args=("b joins", b))
+        joined.start()
+        deadline = time.monotonic() + 30
+        while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        meet("a with b", a)
+        joined.join(30)
+        assert got["a alone"] == (0, 1, a._shared_tcp_store_server.port)
+        assert got["b joins"] == (0, 2, b._shared_tcp_store_server.port) and got["a with b"] == (1, 2, b._shared_tcp_store_server.port)
+        b._stop_heartbeats()  # b dies
+        b._shared_tcp_store_server = None
+        meet("a alone again", a)
+        assert got["a alone again"] == (0, 1, a._shared_tcp_store_server.port)
+        assert os.environ[RDZV_ROUND_ENV] == "rank0:2"
+    finally:
+        os.environ.pop(RDZV_ROUND_ENV, None)
+        for h in (a, b):
+            h._stop_heartbeats()
 
 
 def test_a_start_plans_for_the_world_there_is():
