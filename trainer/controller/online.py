@@ -11,8 +11,7 @@ step) beside its measurement in ``RUN_DIR/predictions.jsonl`` with the running e
 recalibrates: the step-time model on every piece seen so far (``steptime.calibrate``),
 and the memory correction (``fit_memory``: per class of training layouts, the largest
 shortfall of the model against its recent measured peaks; a class not run yet priced with
-the margin the job's own entries into new classes needed, ``Controller.unseen``, the prior
-``UNSEEN_MARGIN`` before any). ``decide`` checks the triggers of ``admission`` (the first
+the ``UNSEEN_MARGIN``). ``decide`` checks the triggers of ``admission`` (the first
 observed step among them: the initial plan was made before any step was measured), searches
 (``search``) for the coming step's workload, prices the best plan's transition
 (``transition``) and applies the admission rule (the gain accumulated over the horizon, less
@@ -50,14 +49,11 @@ from .workload import Workload
 MIN_BAND = 0.05
 """The smallest error band used, however well the step-time model has fitted so far."""
 UNSEEN_MARGIN = 0.25
-"""The prior of the unseen margin: a class of training layouts (``search.rank_class``) the job
-has not run yet is priced at the largest correction measured plus this share of the model's
-peak: FSDP2's, TP's and PP's buffers are what the model counts least well (on CPU FSDP2
-measured ~20% over it). Once the job has entered a class it had not run, the margin is what
-such entries measured instead (``Controller.unseen``), never above this prior."""
-MIN_UNSEEN = 0.05
-"""The unseen margin's floor: one entry into a new class that happened to need nothing says
-little of the next (the next may be FSDP2's, which the model counts least well)."""
+"""A class of training layouts (``search.rank_class``) the job has not run yet is priced at
+the largest correction measured plus this share of the model's peak: FSDP2's, TP's and PP's
+buffers are what the model counts least well (on CPU FSDP2 measured ~20% over it). Fixed,
+not learned: an entry into one class says little of the next (a TP class that needed 2%
+says nothing of FSDP2's 20%), and an underestimate is an out-of-memory step."""
 
 
 def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) -> dict[str, float] | None:
@@ -108,7 +104,6 @@ class Controller:
         self.transfers: deque = deque(maxlen=2000)  # measured messages: (link class, bytes, seconds)
         self.samples = SampleRows(4000)  # the step-time samples seen, as the calibration's rows
         self.memory_samples: deque = deque(maxlen=400)
-        self.surprises: dict[str, float] = {}  # per class entered after another ran: the margin it needed (``unseen``)
         self.transition_samples: list[tuple[float, int, float]] = []
         self.errors: deque = deque(maxlen=20)
         self.lengths: list[tuple[int, float]] = []
@@ -188,26 +183,9 @@ class Controller:
         for rank in range(max(0, n - keep) if keep is not None else 0, n):
             resident, transient, cls = terms[rows[rank]]
             self.memory_samples.append((cls, resident, transient, measured[rank]))
-        known = self.memory.offsets
-        if known:  # a class run for the first time: the share of the model's peak its correction exceeded the largest known by
-            top, peak_of = max(known.values()), np.asarray(measured, dtype=np.float64)
-            for g, (resident, transient, cls) in enumerate(terms):
-                model = resident + transient
-                if cls not in known and cls not in self.surprises and model > 0 and (group == g).any():
-                    self.surprises[cls] = (float(peak_of[group == g].max()) - model - top) / model
         if self.settings.calibrate:
-            self.memory = fit_memory(list(self.memory_samples), unseen=self.unseen)
-        return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes, "unseen_margin": self.unseen}
-
-    @property
-    def unseen(self) -> float:
-        """The margin of a class not run yet (``MemoryFit.unseen``): the largest that the job's
-        entries into new classes needed (``surprises``: measured peak − model − the largest
-        correction known then, over the model; ``MIN_UNSEEN`` at least), the prior
-        ``UNSEEN_MARGIN`` before any, never above it. The calibrated corrections are what the controller trusts, so
-        the margin for what it has not seen is learned the same way: from what entering new
-        classes turned out to cost on this job."""
-        return min(UNSEEN_MARGIN, max(MIN_UNSEEN, max(self.surprises.values()))) if self.surprises else UNSEEN_MARGIN
+            self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
+        return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes}
 
     # ------------------------------------------------------------------ deciding
 
@@ -392,7 +370,7 @@ class Controller:
                 "gaps": {k: list(v) for k, v in self.watch.gaps.items()},
                 "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples],
                 "transition_samples": [list(x) for x in self.transition_samples], "transfers": [list(x) for x in self.transfers],
-                "errors": list(self.errors), "surprises": dict(self.surprises),
+                "errors": list(self.errors),
                 "prompt_mean": self.prompt_mean, "profile": self.profile.name}
 
     def load_state(self, state: dict) -> None:
@@ -414,13 +392,12 @@ class Controller:
         self.transfers.extend((str(k), int(n), float(t)) for k, n, t in state.get("transfers", []))
         self.errors.clear()
         self.errors.extend(float(e) for e in state["errors"])
-        self.surprises = {str(k): float(v) for k, v in state.get("surprises", {}).items()}
         self.prompt_mean = None if state["prompt_mean"] is None else float(state["prompt_mean"])
         if self.settings.calibrate:
             if self.samples.count:
                 self.model = self.model.calibrate_rows(self.samples.matrix())
             if self.memory_samples:
-                self.memory = fit_memory(list(self.memory_samples), unseen=self.unseen)
+                self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
             if self.transfers:
                 self.transitions = self.transitions.with_links(list(self.transfers), self.links)
             if self.transition_samples:

@@ -21,10 +21,11 @@
   cached per 5% bucket of the longest response (``BUCKET``) and world, planned at the bucket's
   upper edge (so they fit every step in it) with the step's mean-to-longest ratio, and the
   fastest by the truth of their top 3 (``TOP``) taken at each step.
-- ``oracle_headroom`` (a bound beside the oracle, not among the default policies): the same,
-  its plans' real peaks kept within the device's memory less the 10% headroom the controller
-  keeps (``memory.HEADROOM``), as the controller's own plans are. What a controller that keeps
-  the headroom could reach if it knew the truth; the oracle also spends that headroom.
+- ``oracle_headroom`` (a reference beside the oracle, not among the default policies): the
+  same, its plans' real peaks kept within the device's memory less the 10% headroom the
+  controller keeps (``memory.HEADROOM``), as the controller's own plans are. About what a
+  controller that keeps the headroom could reach if it knew the truth (not a strict bound:
+  the search is a beam, which can do better with less memory on some traces).
 
 A controller that raises (in ``observe``, ``decide`` or its world path) is logged through
 ``Controller.failed`` and the plan kept, as ``trainer/loop.py``'s ``JobControl`` does; the

@@ -202,17 +202,15 @@ def test_a_world_change_goes_through_the_controllers_urgent_path(monkeypatch):
 
     monkeypatch.setattr(Truth, "transition", spy)
     cluster, job = load_cluster(CLUSTER), load_job(JOB)
-    # the world grows before step 2: after step 1 the controller has moved once (``first``: its plan
-    # was made for the config's longest responses), and the world change is its second decision
-    steps = [TraceStep(step=s, devices=32 if s < 2 else 64, response_max=600, response_mean=400.0) for s in range(1, 6)]
+    steps = [TraceStep(step=s, devices=32 if s < 3 else 64, response_max=600, response_mean=400.0) for s in range(1, 6)]
     r = simulate(cluster, job, steps, policies=("fixed", "adaptive"))
     assert [m.trigger for m in r.results["adaptive"].moves][:1] == ["first"]
     world = [m for m in r.results["adaptive"].moves if m.kind in ("world", "restart")]
-    assert len(world) == 1 and world[0].step == 2 and world[0].devices == 64 and "world" in world[0].trigger and world[0].seconds > 0
+    assert len(world) == 1 and world[0].step == 3 and world[0].devices == 64 and "world" in world[0].trigger and world[0].seconds > 0
     # charged at the truth's cost, not the controller's prediction
     assert world[0].kind == "world" and world[0].seconds in [c[0] for c in charged] and world[0].seconds != world[0].predicted_s
     fixed = r.results["fixed"]
-    assert [s["devices"] for s in fixed.steps] == [32, 64, 64, 64, 64] and fixed.moves[0].kind == "world"
+    assert [s["devices"] for s in fixed.steps] == [32, 32, 64, 64, 64] and fixed.moves[0].kind == "world"
 
 
 def test_greedy_overrides_only_the_admission_rule():
