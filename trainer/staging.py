@@ -204,7 +204,7 @@ def rdzv_round() -> int | None:
     from nereus.launch import RDZV_ROUND_ENV
 
     run_id, _, number = os.environ.get(RDZV_ROUND_ENV, "").rpartition(":")
-    if not run_id or run_id != os.environ.get("TORCHELASTIC_RUN_ID") or not number.isdigit():
+    if not run_id or run_id != os.environ.get("TORCHELASTIC_RUN_ID") or not number.isdecimal():
         return None
     return int(number)
 

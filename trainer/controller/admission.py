@@ -135,12 +135,14 @@ def admit(
         return True, "urgent: the running plan cannot run the coming step"
     h = max(min(horizon, steps_left), 0.0)
     won = h * (gain - spread)
-    if gain <= spread or won <= 0:
+    if not gain > spread:  # (written so that a NaN refuses)
         return False, (f"gain {gain:.4g} s/step is within the model's error on the pieces that change (σ = {spread:.4g} s/step; "
                        f"over min(H, steps left) = {h:.4g} steps, h·(ΔL − σ) = {won:.4g} s)")
+    if not won > 0:
+        return False, f"no step left to win it back in (min(H, steps left) = {h:.4g})"
     if recently_left:
         return False, "the best plan was left within the hysteresis window"
     pays = gamma * won
-    if transition_seconds > pays:
+    if not transition_seconds <= pays:
         return False, f"transition {transition_seconds:.4g} s > γ·h·(ΔL − σ) = {pays:.4g} s"
     return True, f"pays back: transition {transition_seconds:.4g} s <= γ·h·(ΔL − σ) = {pays:.4g} s"

@@ -101,6 +101,12 @@ def test_the_rule_refuses_a_gain_below_the_transition_cost_and_within_the_error(
     assert ok
     ok, _ = admit(old_seconds=1.0, new_seconds=1.0, transition_seconds=0.0, spread=0.0, **common)
     assert not ok  # no gain, nothing to win
+    ok, why = admit(old_seconds=1.0, new_seconds=0.5, transition_seconds=0.0, spread=0.0, **{**common, "steps_left": 0})
+    assert not ok and "no step left" in why
+    nan = float("nan")
+    for bad in (dict(new_seconds=nan), dict(spread=nan), dict(transition_seconds=nan), dict(horizon=nan)):
+        ok, why = admit(**{**common, "old_seconds": 1.0, "new_seconds": 0.5, "transition_seconds": 0.0, "spread": 0.0, **bad})
+        assert not ok, (bad, why)  # a NaN anywhere refuses
 
 
 def test_a_small_sustained_gain_beyond_the_error_of_what_changes_is_taken_over_the_horizon():
