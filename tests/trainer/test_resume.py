@@ -37,7 +37,8 @@ COMMON = ["--set", "model.dtype=float64", "--set", "checkpoint_every=2", "--set"
 # Mean reward over the last 10 steps the default job (`nereus train` alone) must reach with
 # its fixed seed; chance (uniform random responses) is ~0.057 for the shipped task. Measured
 # here (rollouts sampled by step and row): 0.072 -> 0.968 uninterrupted (seed 0; seed 1:
-# 0.076 -> 0.967), first 5 -> last 10 steps. GRPO's learning is held by the dataset job
+# 0.076 -> 0.967), first 5 -> last 10 steps; 0.072 -> 0.933 stopped and resumed 4 -> 2 -> 3
+# (the test below). GRPO's learning is held by the dataset job
 # (tiny_text, tiny_grpo's settings) and by the controller's tiny_grow (test_dataset_job.py,
 # controller/test_tiny_grow.py).
 THRESHOLD = 0.8
