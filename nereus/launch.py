@@ -18,9 +18,10 @@ nodes are in, a rendezvous waits ``elastic.last_call_s`` more for others (torchr
 Every rendezvous round publishes the workers' store (``publish_store_every_round``): torch's
 dynamic rendezvous with TCP store sharing writes its address only in a node's first round
 (and the first time a node becomes rank 0), so a node joining a running job waited for keys
-no one wrote, and both sides failed after 60 s. The agent also hands its workers the rendezvous round (``RDZV_ROUND_ENV``; 0: the
-launch's first), which tells a restart from a fresh start even when the workers' store is
-new (a node that sorts before the old rank 0 joined and hosts it now).
+no one wrote, and both sides failed after 60 s. The agent also hands its workers the
+rendezvous round (``RDZV_ROUND_ENV``; 0: the launch's first), which tells a restart from a
+fresh start even when the workers' store is new (a node that sorts before the old rank 0
+joined and hosts it now).
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def publish_store_every_round() -> None:
     inherit; a worker trusts it only under the same ``TORCHELASTIC_RUN_ID``).
 
     torch 2.13 builds that address once per handler (again only when a node first becomes
-    rank 0): a node's later rounds reuse it, so rank 0 never writes it for a round a new node joins (the new node waits for it, rank 0 for the
-    new node's role info: a ``DistStoreError`` on both after 60 s), and a node whose rank 0
-    changed would keep pointing at its old store."""
+    rank 0): a node's later rounds reuse it, so rank 0 never writes it for a round a new
+    node joins (the new node waits for it, rank 0 for the new node's role info: a
+    ``DistStoreError`` on both after 60 s), and a node whose rank 0 changed would keep
+    pointing at its old store."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 

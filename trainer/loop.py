@@ -932,11 +932,15 @@ class JobControl:
         self.controller = None
         if trainer.rank == 0:
             profile = load_profile(trainer.cfg.device_profile)
-            self.controller = Controller(trainer.cfg, profile, run_dir=trainer.cfg.run_dir, first_step=first_step)
+
+            def fresh() -> Controller:
+                return Controller(trainer.cfg, profile, run_dir=trainer.cfg.run_dir, first_step=first_step)
+
+            self.controller = fresh()
             try:
                 self.controller.load_state(trainer.restored_state.get("controller", {}))
             except Exception as e:  # noqa: BLE001 - a state this version cannot read: re-learned, never a rank that dies alone
-                self.controller = Controller(trainer.cfg, profile, run_dir=trainer.cfg.run_dir, first_step=first_step)
+                self.controller = fresh()
                 print(f"nereus: the controller's saved state was not restored ({type(e).__name__}: {e}); it starts afresh",
                       file=sys.stderr, flush=True)
         trainer.extra_state["controller"] = {}

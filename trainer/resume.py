@@ -42,10 +42,8 @@ def _job_config(run_dir: str) -> dict | None:
     None when the run has no record (a run from before the record existed). A record that
     cannot be read is a ConfigError naming it."""
     from nereus.store.checkpoint import CheckpointStore
-    from nereus.store.records import JOB_KEY
-
     from nereus.store.errors import StoreError
-    from nereus.store.records import check_schema
+    from nereus.store.records import JOB_KEY, check_schema
 
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(os.path.join(root, "meta")):  # opening a store would create one
@@ -130,9 +128,9 @@ def plan_for_world(cfg: JobConfig, saved: Mapping | None, world: int) -> tuple[J
     cfg = cfg if cfg.nproc == world else replace(cfg, nproc=world)
     if saved:
         plan = _build(PlanConfig, saved, "plan.")
-        if plan == cfg.plan and runs_on(plan, world):
-            return cfg, "the restored state's plan"
         if runs_on(plan, world):
+            if plan == cfg.plan:
+                return cfg, "the restored state's plan"
             resumed = replace(cfg, plan=plan)
             validate(resumed)
             return resumed, "the restored state's plan"

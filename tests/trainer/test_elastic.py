@@ -350,13 +350,12 @@ def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, s
 
 def _actor_state(trainer, rank):
     """actor.train's every parameter and AdamW tensor, gathered whole on rank 0 (raw bytes)."""
-    import torch
-
     from nereus.reshard.gather import gather_full
+    from tests.trainer.test_resume import raw_bytes
 
     stage = trainer.stages["actor.train"]
     full = gather_full(stage.emus, stage.buffers() if stage.member else {}, rank)
-    return None if full is None else {n: t.contiguous().view(-1).view(torch.uint8).numpy().copy() for n, t in full.items()}
+    return None if full is None else {n: raw_bytes(t) for n, t in full.items()}
 
 
 def _kill_while_saving(rank, world, run_dir):

@@ -305,9 +305,6 @@ class Controller:
         except ConfigError:
             return []
 
-    def _predict(self, cfg: JobConfig, plan: PlanConfig, work: Workload, where: Placement) -> float:
-        return sum(plan_seconds(cfg, plan, work, where, self.model).values())
-
     def _peak(self, cfg: JobConfig, plan: PlanConfig, work: Workload) -> float:
         """The largest calibrated per-rank peak, with headroom."""
         worst = 0.0
