@@ -82,7 +82,10 @@ def preflight(cfg) -> None:
     from nereus.trainer.sources import check_inputs
     from nereus.trainer.trackers import check_trackers
 
+    from nereus.trainer.staging import node_staging_dir
+
     try:
+        node_staging_dir()  # NEREUS_STAGING_DIR, this node's own staging path
         resolve_device(cfg)  # device: cuda needs a GPU per local worker; fail here, before any launch
         check_trackers(cfg.logging.trackers)  # wandb/mlflow installed where rank 0 will log to them
     except (ConfigError, FileNotFoundError) as e:

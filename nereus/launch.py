@@ -21,7 +21,9 @@ dynamic rendezvous with TCP store sharing writes its address only in a node's fi
 no one wrote, and both sides failed after 60 s. The agent also hands its workers the
 rendezvous round (``RDZV_ROUND_ENV``; 0: the launch's first), which tells a restart from a
 fresh start even when the workers' store is new (a node that sorts before the old rank 0
-joined and hosts it now).
+joined and hosts it now). Under torchrun the same wrapper comes with the rendezvous backend
+``nereus`` (``nereus/rendezvous.py``, registered through torch's ``torchrun.handlers`` entry
+point): ``torchrun --rdzv-backend nereus``.
 """
 
 from __future__ import annotations

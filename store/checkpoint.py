@@ -403,6 +403,7 @@ def save_checkpoint(
     rng: dict | None = None,
     files: Mapping[str, bytes] | None = None,
     orphan_age: float = ORPHAN_AGE_S,
+    among: Sequence[int] | None = None,
 ) -> Manifest:
     """Save every EMU's tensors from every rank (call on all ranks of ``group``).
 
@@ -412,7 +413,9 @@ def save_checkpoint(
     coordinator writes into the data directory (relative path -> bytes, e.g.
     ``hf/actor/tokenizer.json``), covered by the manifest's checksums. ``orphan_age``:
     unfinished saves older than this are removed first (:meth:`CheckpointStore.clean_orphans`).
-    Returns the committed manifest on every rank.
+    ``among``: the global ranks of ``group`` when it is a part of the world (one node's): the
+    save holds every box one of them holds and no other (a node's staged copy); default the
+    whole world. Returns the committed manifest on every rank.
     """
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -451,7 +454,9 @@ def save_checkpoint(
         if keep is not None:
             store.retain(keep)
 
-    planner = BoxSavePlanner(layouts, plan_owned_boxes(layouts, rank), resolve, rng if rng is not None else rng_state())
+    among = None if among is None else frozenset(among)
+    planner = BoxSavePlanner(layouts, plan_owned_boxes(layouts, rank, among), resolve, rng if rng is not None else rng_state(),
+                             among=among)
     writer = BoxWriter(store.root, layouts, prepare, commit, sync=sync, extras=files)
     no_dist = group is None and not (dist.is_available() and dist.is_initialized())
     dcp_save(planner, writer, group=group, no_dist=no_dist)
@@ -500,14 +505,15 @@ def load_checkpoint(
 
 
 def stage_to_host(emus: Sequence[EMU], buffers: Buffers, rank: int,
-                  reuse: MutableMapping[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+                  reuse: MutableMapping[str, torch.Tensor] | None = None,
+                  among: Sequence[int] | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Host copies of the buffers holding boxes this rank writes (pinned when CUDA is up).
 
     ``reuse``: host buffers of an earlier call, by ``<model>/<name>``; one of the same shape
     and dtype is written into instead of allocating (the dict is updated with new ones and
-    loses those no longer needed)."""
+    loses those no longer needed). ``among``: as ``save_checkpoint``'s."""
     layouts = checkpoint_layouts(emus)
-    owned = {(n, o) for n, o, _ in plan_owned_boxes(layouts, rank)}
+    owned = {(n, o) for n, o, _ in plan_owned_boxes(layouts, rank, None if among is None else frozenset(among))}
     needed: set[str] = set()
     for name, layout in layouts.items():
         for s in layout.shards:
@@ -538,9 +544,10 @@ class AsyncCheckpointer:
     so at most one is in flight; ``wait`` returns the last committed manifest.
     """
 
-    def __init__(self, root: str, *, keep: int | None = None, sync: bool = True, group=None) -> None:
+    def __init__(self, root: str, *, keep: int | None = None, sync: bool = True, group=None,
+                 among: Sequence[int] | None = None) -> None:
         self.root = normalize_root(root)
-        self.keep, self.sync = keep, sync
+        self.keep, self.sync, self.among = keep, sync, among
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.new_group(backend="gloo")
         self.group = group
@@ -554,11 +561,11 @@ class AsyncCheckpointer:
         self.wait()
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        host = stage_to_host(emus, buffers, rank, reuse=self.host)  # after wait(): no save reads them now
+        host = stage_to_host(emus, buffers, rank, reuse=self.host, among=self.among)  # after wait(): no save reads them now
         rng = rng_state()
         self._pending = self._pool.submit(
             save_checkpoint, self.root, step, emus, host, rank=rank, group=self.group, state=state, plan=plan,
-            keep=self.keep, sync=self.sync, rng=rng,
+            keep=self.keep, sync=self.sync, rng=rng, among=self.among,
         )
         return self._pending
 

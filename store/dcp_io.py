@@ -34,7 +34,7 @@ import os
 import warnings
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import fsspec
 import numpy as np
@@ -64,18 +64,23 @@ Box = tuple[str, Dims, Dims]
 """(tensor name, global offsets, lengths)."""
 
 
-def plan_owned_boxes(layouts: Mapping[str, TensorLayout], rank: int) -> list[Box]:
-    """The non-empty distinct boxes whose lowest holder is ``rank``, by tensor name (pure)."""
+def plan_owned_boxes(layouts: Mapping[str, TensorLayout], rank: int, among: Collection[int] | None = None) -> list[Box]:
+    """The non-empty distinct boxes whose lowest holder is ``rank``, by tensor name (pure).
+    ``among``: only these ranks count as holders (a save by a subset of the world, e.g. one
+    node's ranks, writes every box any of them holds)."""
     out = []
     for name in sorted(layouts):
         for (offsets, lengths), holders in layouts[name].unique_boxes().items():
-            if math.prod(lengths) and min(s.rank for s in holders) == rank:
+            ranks = [s.rank for s in holders if among is None or s.rank in among]
+            if math.prod(lengths) and ranks and min(ranks) == rank:
                 out.append((name, offsets, lengths))
     return out
 
 
-def all_boxes(layouts: Mapping[str, TensorLayout]) -> list[Box]:
-    return [(n, o, l) for n in sorted(layouts) for (o, l) in layouts[n].unique_boxes() if math.prod(l)]
+def all_boxes(layouts: Mapping[str, TensorLayout], among: Collection[int] | None = None) -> list[Box]:
+    """Every non-empty distinct box (held by one of ``among``, when given), by tensor name."""
+    return [(n, o, l) for n in sorted(layouts) for (o, l), holders in layouts[n].unique_boxes().items()
+            if math.prod(l) and (among is None or any(s.rank in among for s in holders))]
 
 
 def write_item(layout: TensorLayout, offsets: Dims, lengths: Dims) -> WriteItem:
@@ -99,11 +104,14 @@ class BoxSavePlanner(SavePlanner):
         boxes: Sequence[Box],
         resolve: Callable[[str, Dims, Dims], torch.Tensor],
         planner_data: Any = None,
+        among: Collection[int] | None = None,
     ) -> None:
         self.layouts = layouts
         self.boxes = list(boxes)
         self.resolve = resolve
         self.planner_data = planner_data
+        self.among = among
+        """The ranks whose boxes this save holds (None: every rank's)."""
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         self.is_coordinator = is_coordinator
@@ -120,7 +128,7 @@ class BoxSavePlanner(SavePlanner):
                 if key in written:
                     raise StoreError(f"tensor {key[0]!r} box at {list(key[1])} is written by ranks {written[key]} and {rank}")
                 written[key] = rank
-        for name, offsets, _ in all_boxes(self.layouts):
+        for name, offsets, _ in all_boxes(self.layouts, self.among):
             if (name, tuple(offsets)) not in written:
                 raise StoreError(f"tensor {name!r} box at {list(offsets)} has no writer in this save")
         tensors = {

@@ -588,9 +588,10 @@ class Trainer:
         stager.stage(self.step, [e for s in self._trained() for e in s.emus], buffers,
                      {**state, **staged_state(self.cfg.run_dir, state.get("lineage"))}, plan)
 
-    def restore(self, root: str | None = None) -> int:
-        """Load the latest committed checkpoint under ``root`` (default: the run's durable
-        checkpoints; a staged copy's root) into this rank's layouts; returns its step."""
+    def restore(self, root: str | None = None, *, step: int | None = None) -> int:
+        """Load the committed checkpoint of ``step`` (default: the latest) under ``root``
+        (default: the run's durable checkpoints; a staged copy's root) into this rank's
+        layouts; returns its step."""
         from nereus.store.checkpoint import CheckpointStore, load_checkpoint
 
         root = root or self.checkpoint_root()
@@ -598,7 +599,7 @@ class Trainer:
             raise FileNotFoundError(f"--resume: no committed checkpoint under {root}")
         emus = [e for s in self._trained() for e in s.emus]
         buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
-        manifest, _ = load_checkpoint(root, emus, self.rank, buffers)
+        manifest, _ = load_checkpoint(root, emus, self.rank, buffers, step=step)
         self.step = manifest.step
         self.restored_state = dict(manifest.state or {})
         self.source.load_state_dict(self.restored_state.get("data", {}))
@@ -800,9 +801,7 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
 
             book = JobBook(CheckpointStore(trainer.checkpoint_root()).meta)
             book.start(cfg, first, restore_s=(record or {}).get("restore_s", 0.0))
-        staging, why_off = staging_mode(cfg)
-        if why_off and rank0:
-            print(f"nereus: {why_off}", file=sys.stderr, flush=True)
+        staging = staging_mode(cfg)
         stager = Stager(cfg, trainer.rank, [e for s in trainer._trained() for e in s.emus]) if staging else None
         if stager is not None and not stager.enabled:
             stager.close()
@@ -866,12 +865,11 @@ def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, time
     fresh), or ``{"error": message}`` on every rank."""
     from .resume import plan_for_start
     from .staging import (DURABLE_REFUSED, agree_sources, launch_round, new_lineage, publish_lineage, rdzv_round, restart_count,
-                          restore_newest, staging_mode)
+                          restore_newest)
 
     durable = os.path.join(cfg.run_dir, "checkpoints")
     restoring, restart = start["restoring"], start["restart"]
-    sources, reasons = (agree_sources(cfg, durable, lineage=start["lineage"], staging_off=staging_mode(cfg)[1])
-                        if restoring else ([], []))
+    sources, reasons = agree_sources(cfg, durable, lineage=start["lineage"]) if restoring else ([], [])
     if resume and not sources:  # every rank derives the same list
         return {"error": f"--resume: no committed checkpoint under {durable}" + (f" ({'; '.join(reasons)})" if reasons else "")}
     if restoring and not sources and any(r.startswith(DURABLE_REFUSED) for r in reasons):  # never silently from step 0

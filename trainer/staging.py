@@ -12,8 +12,18 @@ step stays the newest committed one. ``elastic.staging_keep`` (default 2) staged
 kept. Staging starts only when the node's free space holds ``staging_keep + 1`` copies of the
 state (else it is off, logged); a failed write (e.g. the tmpfs filled up) removes its partial
 data and turns staging off for the rest of the run (logged; training goes on); a run that
-finishes removes its staged copies. Staging is per node: with several nodes it is off
-(logged), since the manifest is committed on one node only.
+finishes removes its staged copies.
+
+Several nodes: each node stages its own part — every box one of its ranks holds, replicas
+included, so a rank finds all it holds on its own node — as a checkpoint of its own, written
+and committed over a gloo group of the node's ranks, its manifest naming the node's global
+ranks and the world (``node``). Nodes commit independently; a restore takes the newest step
+every node holds, and only when every rank finds it on its own node, staged by that node's
+ranks in a world of the same size (else the durable checkpoint). Two nodes whose staging
+dirs are one directory (a shared filesystem, or two launches on one machine without their
+own ``NEREUS_STAGING_DIR``) would overwrite each other's copies: staging is then off. The
+job's config is rank 0's on every node, so a node's own path comes from its environment
+(``NEREUS_STAGING_DIR``, over ``elastic.staging_dir``).
 
 Overlap: ``Stager.stage`` copies this rank's boxes into host buffers kept across steps
 (pinned on CUDA; the only part on the step's critical path, ``copy_s``), then a background
@@ -34,11 +44,12 @@ launch's first start; any later round (a restart after a failure or a membership
 restores. A new launch has a new store, so a reused ``--rdzv-id`` is a fresh start.
 
 Restore (``choose_sources`` then ``restore_newest``): every rank reports what it sees — the
-newest staged manifest on its node and the newest durable step — and every rank derives the
-same ordered list: the staged copy first when it passes every check of ``check_staged``
-(this run's and this lineage's, not older than the durable checkpoint, its plan record
-consistent with the durable checkpoint's and with the layouts its data was saved from, every
-rank sees the same copy), then the durable checkpoint (every rank reads the same manifest).
+staged manifests on its node and the newest durable step — and every rank derives the same
+ordered list: the newest staged step that every rank sees and that passes every check of
+``check_staged`` (this run's and this lineage's, not older than the durable checkpoint, its
+plan record consistent with the durable checkpoint's and with the layouts its data was saved
+from, the same on every node, staged on each rank's node by that rank in a world of this
+size), then the durable checkpoint (every rank reads the same manifest).
 Each source's bytes are verified on read (reshard's checksummed staged reads); the ranks
 agree on the outcome in one object collective, and a source that failed on any rank is
 refused on every rank, with its reason logged (stderr and ``RUN_DIR/restores.jsonl``), and
@@ -67,6 +78,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 import uuid
@@ -77,6 +89,7 @@ from typing import Mapping
 import torch.distributed as dist
 
 STAGING_BASE = "/dev/shm"
+STAGING_ENV = "NEREUS_STAGING_DIR"
 DURABLE_REFUSED = "durable checkpoint refused"
 ROUND_KEY = "nereus/round"
 LINEAGE_KEY = "nereus/lineage"
@@ -98,8 +111,23 @@ def run_id(run_dir: str) -> str:
     return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:12]
 
 
+def node_staging_dir() -> str | None:
+    """This node's staging dir from its environment (``NEREUS_STAGING_DIR``), None when unset.
+    The job's config is one for every node (rank 0's); a path of one node's goes here.
+    ConfigError naming the variable when it is not a local absolute path."""
+    from .config import ConfigError
+
+    path = os.environ.get(STAGING_ENV) or None
+    if path is not None and ("://" in path or not os.path.isabs(path)):
+        raise ConfigError(f"environment variable {STAGING_ENV} must be a local absolute path (node memory, e.g. under "
+                          f"/dev/shm), got {path!r}")
+    return path
+
+
 def staging_root(cfg) -> str:
-    return cfg.elastic.staging_dir or os.path.join(STAGING_BASE, f"nereus-{run_id(cfg.run_dir)}")
+    """Where this node stages: ``NEREUS_STAGING_DIR``, else ``elastic.staging_dir``, else
+    ``/dev/shm/nereus-<run id>``."""
+    return node_staging_dir() or cfg.elastic.staging_dir or os.path.join(STAGING_BASE, f"nereus-{run_id(cfg.run_dir)}")
 
 
 def restart_count() -> int:
@@ -285,16 +313,47 @@ def agree_start(cfg, resume: bool, overwrite: bool | None = None) -> dict:
     return out
 
 
-def staging_mode(cfg) -> tuple[bool, str | None]:
-    """``elastic.staging``: always, never, or auto — on when the agent may restart the
-    workers. Off on several nodes (the reason): the staged manifest is committed on one node."""
+def staging_mode(cfg) -> bool:
+    """``elastic.staging``: always, never, or auto — on when the agent may restart the workers."""
     mode = cfg.elastic.staging
-    on = mode == "always" if mode != "auto" else int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
-    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    if on and local and world and int(local) != int(world):
-        return False, (f"staging is per node and this job spans several nodes ({world} ranks, {local} on this node): "
-                       "staging is off; restarts restore the durable checkpoint")
-    return on, None
+    return mode == "always" if mode != "auto" else int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+
+
+def node_key() -> str:
+    """Which node this process is on: the agent's node rank (``GROUP_RANK``) of this round,
+    else the host name."""
+    group = os.environ.get("GROUP_RANK")
+    return f"node {group}" if group not in (None, "") else f"host {socket.gethostname()}"
+
+
+def group_nodes(keys: list[str]) -> list[list[int]]:
+    """Every rank's ``node_key`` -> each node's global ranks, ascending, nodes by lowest rank (pure)."""
+    nodes: dict[str, list[int]] = {}
+    for rank, key in enumerate(keys):
+        nodes.setdefault(key, []).append(rank)
+    return sorted(nodes.values())
+
+
+def shared_dir(nodes: list[list[int]], dirs: list) -> str | None:
+    """Why two nodes would stage into one directory (None: each has its own). ``dirs``: each
+    rank's ``(host, device, inode)`` of its staging dir (None where it could not tell)."""
+    owner: dict = {}
+    for ranks in nodes:
+        for r in ranks:
+            if dirs[r] is None:
+                continue
+            other = owner.setdefault(tuple(dirs[r]), ranks[0])
+            if other != ranks[0]:
+                return (f"ranks {other} and {r} are on different nodes but their staging dirs are one directory "
+                        f"({dirs[r][0]}, device {dirs[r][1]}, inode {dirs[r][2]}): give each node its own ({STAGING_ENV})")
+    return None
+
+
+def dir_identity(root: str) -> tuple[str, int, int]:
+    """The staging dir (created) as ``(host, device, inode)``."""
+    os.makedirs(root, exist_ok=True)
+    st = os.stat(root)
+    return socket.gethostname(), st.st_dev, st.st_ino
 
 
 def clear_staging(root: str) -> None:
@@ -373,7 +432,7 @@ def summarize(manifest) -> dict:
         planned = None if not isinstance(sc, dict) else (sc.get("dp", 1), sc.get("tp", 1), sc.get("pp", 1))
         layouts.append([f"{e.model}.{e.stage}", list(saved), None if planned is None else list(planned)])
     return {"step": manifest.step, "data": manifest.data, "plan": manifest.plan, "staged": state.get("staged", {}),
-            "plan_record": state.get("plan_record"), "layouts": layouts}
+            "plan_record": state.get("plan_record"), "layouts": layouts, "node": state.get("node")}
 
 
 def check_staged(view: dict | None, *, durable_step: int | None, run_dir: str, durable_state: Mapping | None = None,
@@ -411,11 +470,61 @@ def check_staged(view: dict | None, *, durable_step: int | None, run_dir: str, d
     return None
 
 
-def choose_sources(views: list[dict], *, run_dir: str, staged_root: str, durable_root: str, lineage: str | None = None,
-                   staging_off: str | None = None) -> tuple[list[Source], list[str]]:
+def staged_steps(view: dict) -> dict[int, dict]:
+    """A rank's readable staged summaries by step (``local_view``'s newest and older ones)."""
+    seen = [view.get("staged"), *view.get("staged_older", ())]
+    return {v["step"]: v for v in seen if v is not None and "error" not in v}
+
+
+def _same_copy(v: dict) -> dict:
+    """What every node's part of one staged step must share (not its data dir or its node)."""
+    return {k: x for k, x in v.items() if k not in ("data", "node")}
+
+
+def choose_staged(views: list[dict], *, durable_step: int | None, run_dir: str, durable_state: Mapping | None,
+                  lineage: str | None) -> tuple[dict | None, list[str]]:
+    """The newest staged step every rank may restore from its own node (its summary, as rank
+    0 sees it; None: none) and why newer or other copies were passed over (pure)."""
+    reasons: list[str] = []
+    world = len(views)
+    broken = [(r, v["staged"]["error"]) for r, v in enumerate(views) if v.get("staged") and "error" in v["staged"]]
+    if broken:
+        return None, [f"staged copy refused on rank {broken[0][0]}: {broken[0][1]}"]
+    steps = [staged_steps(v) for v in views]
+    if not any(steps):
+        return None, []
+    missing = [r for r, held in enumerate(steps) if not held]
+    if missing:
+        return None, [f"staged copy not used: rank {missing[0]} sees none on its node (a new machine, or its memory was cleared)"]
+    common = sorted(set.intersection(*(set(held) for held in steps)), reverse=True)
+    if not common:
+        return None, ["staged copy not used: the nodes hold no staged step in common ("
+                      + ", ".join(f"rank {r}: {sorted(held)}" for r, held in enumerate(steps)) + ")"]
+    for step in common:
+        mine = [held[step] for held in steps]
+        differ = next((r for r, v in enumerate(mine) if _same_copy(v) != _same_copy(mine[0])), None)
+        if differ is not None:
+            reasons.append(f"staged step {step} refused: rank {differ}'s node holds another copy of it than rank 0's")
+            continue
+        elsewhere = next((r for r, v in enumerate(mine)
+                          if not v.get("node") or v["node"].get("world") != world or r not in v["node"].get("ranks", ())), None)
+        if elsewhere is not None:
+            node = mine[elsewhere].get("node")
+            held = "no node record" if not node else f"ranks {node.get('ranks')} of a world of {node.get('world')}"
+            reasons.append(f"staged step {step} refused: rank {elsewhere}'s node staged it for {held}, not for rank "
+                           f"{elsewhere} of {world}")
+            continue
+        why = check_staged(mine[0], durable_step=durable_step, run_dir=run_dir, durable_state=durable_state, lineage=lineage)
+        if why is None:
+            return mine[0], reasons
+        reasons.append(f"staged copy of step {step} refused: {why}")
+    return None, reasons
+
+
+def choose_sources(views: list[dict], *, run_dir: str, staged_root: str, durable_root: str, lineage: str | None = None
+                   ) -> tuple[list[Source], list[str]]:
     """Every rank's view (``local_view``) -> the sources to try, newest valid first, and the
-    reasons a source was passed over. Pure: every rank derives the same list. ``staging_off``:
-    why no staged copy may be used at all (several nodes)."""
+    reasons a source was passed over. Pure: every rank derives the same list."""
     reasons: list[str] = []
     sources: list[Source] = []
     durable = {k: views[0].get(k) for k in ("durable", "durable_plan", "durable_state", "durable_error")}
@@ -429,28 +538,15 @@ def choose_sources(views: list[dict], *, run_dir: str, staged_root: str, durable
         reasons.append(f"{DURABLE_REFUSED}: rank {differ[0]} sees step {views[differ[0]].get('durable')}, rank 0 step "
                        f"{durable['durable']} (the run dir must be the same filesystem on every node)")
         durable_step = None
-    staged = views[0]["staged"]
-    seen = [r for r, v in enumerate(views) if v["staged"] is not None]
-    if staging_off is not None:
-        if seen:
-            reasons.append(f"staged copy not used: {staging_off}")
-    elif bad or differ:
-        if seen:
+    if bad or differ:
+        if any(v.get("staged") is not None for v in views):
             reasons.append("staged copy not used: the durable checkpoint it must be checked against is unreadable")
     else:
-        differ_staged = [r for r, v in enumerate(views) if v["staged"] != staged]
-        if differ_staged:
-            r = differ_staged[0]
-            why = check_staged(views[r]["staged"], durable_step=durable_step, run_dir=run_dir,
-                               durable_state=durable["durable_state"], lineage=lineage) or "another copy"
-            reasons.append(f"rank {r} sees a staged copy other than rank 0's ({why})")
-        else:
-            why = check_staged(staged, durable_step=durable_step, run_dir=run_dir, durable_state=durable["durable_state"],
-                               lineage=lineage)
-            if why is None:
-                sources.append(Source(kind="staged", root=staged_root, step=staged["step"], plan=staged["plan"]))
-            elif why != "no staged copy":
-                reasons.append(f"staged copy of step {staged.get('step', '?') if staged else '?'} refused: {why}")
+        staged, passed = choose_staged(views, durable_step=durable_step, run_dir=run_dir,
+                                       durable_state=durable["durable_state"], lineage=lineage)
+        reasons += passed
+        if staged is not None:
+            sources.append(Source(kind="staged", root=staged_root, step=staged["step"], plan=staged["plan"]))
     if durable_step is not None:
         sources.append(Source(kind="durable", root=durable_root, step=durable_step, plan=durable["durable_plan"]))
     return sources, reasons
@@ -460,17 +556,26 @@ def choose_sources(views: list[dict], *, run_dir: str, staged_root: str, durable
 
 
 def local_view(staged_root: str, durable_root: str) -> dict:
-    """This rank's view: the newest staged manifest it sees (``summarize``), the durable step,
-    plan and job-state record (``durable_state``: lineage, plan record). A manifest that
-    cannot be read becomes a reason (``error`` / ``durable_error``), never an exception."""
+    """This rank's view: the newest staged manifest it sees on its node (``summarize``), the
+    older committed ones (``staged_older``, newest first: a step every node holds may be
+    older than one node's newest), the durable step, plan and job-state record
+    (``durable_state``: lineage, plan record). A newest manifest that cannot be read becomes a
+    reason (``error`` / ``durable_error``), never an exception; an older one is left out."""
     from nereus.store.checkpoint import CheckpointStore
 
-    view: dict = {"staged": None, "durable": None, "durable_plan": None, "durable_state": None, "durable_error": None}
+    view: dict = {"staged": None, "staged_older": [], "durable": None, "durable_plan": None, "durable_state": None,
+                  "durable_error": None}
     if os.path.isdir(staged_root):
         try:
             store = CheckpointStore(staged_root)
-            if store.steps():
-                view["staged"] = summarize(store.manifest())
+            steps = store.steps()
+            if steps:
+                view["staged"] = summarize(store.manifest(steps[-1]))
+            for step in reversed(steps[:-1]):
+                try:
+                    view["staged_older"].append(summarize(store.manifest(step)))
+                except Exception:  # noqa: BLE001 - retired meanwhile or unreadable: not a candidate
+                    pass
         except Exception as e:  # noqa: BLE001 - an unreadable copy is refused, never fatal
             view["staged"] = {"error": f"its manifest cannot be read ({type(e).__name__}: {e})"}
     if os.path.isdir(os.path.join(durable_root, "meta")) or "://" in durable_root:
@@ -488,14 +593,13 @@ def local_view(staged_root: str, durable_root: str) -> dict:
     return view
 
 
-def agree_sources(cfg, durable_root: str, *, lineage: str | None = None, staging_off: str | None = None
-                  ) -> tuple[list[Source], list[str]]:
+def agree_sources(cfg, durable_root: str, *, lineage: str | None = None) -> tuple[list[Source], list[str]]:
     """``choose_sources`` over every rank's ``local_view`` (one object collective)."""
     root = staging_root(cfg)
     views: list = [None] * dist.get_world_size()
     dist.all_gather_object(views, local_view(root, durable_root))
     sources, reasons = choose_sources(views, run_dir=cfg.run_dir, staged_root=root, durable_root=durable_root,
-                                      lineage=lineage, staging_off=staging_off)
+                                      lineage=lineage)
     if any(v["staged"] is not None for v in views) and not any(s.kind == "staged" for s in sources):
         _discard(root)  # refused: later staging must not meet its steps (a create-only commit of the same step fails)
     return sources, reasons
@@ -516,7 +620,7 @@ def restore_newest(trainer, sources: list[Source], reasons: list[str]) -> tuple[
     for src in sources:
         error = None
         try:
-            step = trainer.restore(src.root)
+            step = trainer.restore(src.root, step=src.step if src.kind == "staged" else None)
             if step != src.step:
                 error = f"its newest step is now {step}, not {src.step}"
         except Exception as e:  # noqa: BLE001 - agreed on below; a bad source is refused, never fatal
@@ -525,6 +629,8 @@ def restore_newest(trainer, sources: list[Source], reasons: list[str]) -> tuple[
         dist.all_gather_object(errors, error)
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if not bad:
+            if src.kind == "staged" and local_rank() == 0:
+                retire_after(src.root, src.step)
             return src.step, {"source": src.kind, "step": src.step, "restore_s": time.perf_counter() - t0, "refused": reasons}
         rank, why = bad[0]
         reasons.append(f"{src.kind} step {src.step} refused on rank {rank}: {why}")
@@ -533,6 +639,18 @@ def restore_newest(trainer, sources: list[Source], reasons: list[str]) -> tuple[
         if src.kind == "staged":
             _discard(src.root)
     raise RuntimeError("no committed state could be restored: " + "; ".join(reasons))
+
+
+def retire_after(root: str, step: int) -> None:
+    """A node's staged steps newer than the restored ``step`` (one node's newest that another
+    node lacked) and its unfinished writes go: the run stages those steps again, and a
+    create-only commit of a step already there would fail."""
+    from nereus.store.checkpoint import CheckpointStore
+
+    store = CheckpointStore(root)
+    for newer in [s for s in store.steps() if s > step]:
+        store.delete(newer)
+    store.clean_orphans(older_than=0)
 
 
 def log_restore(run_dir: str, record: dict) -> None:
@@ -548,14 +666,15 @@ def log_restore(run_dir: str, record: dict) -> None:
 # ------------------------------------------------------------------ staging
 
 
-def state_bytes(emus) -> int:
-    """The bytes one staged copy of ``emus`` takes: every distinct box once (pure)."""
+def state_bytes(emus, among=None) -> int:
+    """The bytes one staged copy of ``emus`` takes: every distinct box once (of those one of
+    the ranks ``among`` holds: a node's part) (pure)."""
     from nereus.reshard.layout import itemsize
     from nereus.store.checkpoint import checkpoint_layouts
     from nereus.store.dcp_io import all_boxes
 
     layouts = checkpoint_layouts(emus)
-    return sum(math.prod(lengths) * itemsize(layouts[name].dtype) for name, _, lengths in all_boxes(layouts))
+    return sum(math.prod(lengths) * itemsize(layouts[name].dtype) for name, _, lengths in all_boxes(layouts, among))
 
 
 def tree_bytes(root: str) -> int:
@@ -596,8 +715,9 @@ def capacity_refusal(need_each: int, keep: int, free: int, own: int) -> str | No
 
 class Stager:
     """Stages the trainer's state after each step (module docstring). Construct on every rank
-    at the same point (it creates its gloo group and agrees on the free space); ``stage`` and
-    ``close`` on every rank. ``enabled`` is False (on every rank) when staging did not fit."""
+    at the same point (it finds the nodes, creates a gloo group per node and agrees on the
+    free space); ``stage`` and ``close`` on every rank. ``enabled`` is False (on every rank)
+    when staging did not fit or two nodes share one staging dir."""
 
     def __init__(self, cfg, rank: int, emus=None) -> None:
         from nereus.store.checkpoint import AsyncCheckpointer
@@ -608,13 +728,26 @@ class Stager:
         self._done = 0.0
         self.enabled = True
         self.refused: str | None = None
-        why = None
-        if emus is not None:
+        world = dist.get_world_size()
+        try:
+            where = dir_identity(self.root)
+        except OSError as e:
+            where = f"cannot create it ({e})"
+        found: list = [None] * world
+        dist.all_gather_object(found, (node_key(), where))
+        self.nodes = group_nodes([key for key, _ in found])
+        self.node = next(ranks for ranks in self.nodes if rank in ranks)
+        why = where if isinstance(where, str) else None
+        if why is None and len(self.nodes) > 1:
+            shared = shared_dir(self.nodes, [w if isinstance(w, tuple) else None for _, w in found])
+            why = shared and f"{shared} (each node stages its own part)"
+        if why is None and emus is not None:
             try:
-                why = capacity_refusal(state_bytes(emus), cfg.elastic.staging_keep, free_bytes(self.root), tree_bytes(self.root))
+                need = state_bytes(emus, frozenset(self.node) if len(self.nodes) > 1 else None)
+                why = capacity_refusal(need, cfg.elastic.staging_keep, free_bytes(self.root), tree_bytes(self.root))
             except OSError as e:
                 why = f"cannot read the free space there ({e})"
-        flags = [None] * dist.get_world_size()
+        flags = [None] * world
         dist.all_gather_object(flags, why)
         refusals = [(r, w) for r, w in enumerate(flags) if w]
         if refusals:
@@ -624,8 +757,14 @@ class Stager:
                 print(f"nereus: {self.refused}", file=sys.stderr, flush=True)
             self.saver = None
             return
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.elastic.collective_timeout_s))
-        self.saver = AsyncCheckpointer(self.root, keep=cfg.elastic.staging_keep, sync=False, group=group)
+        timeout = timedelta(seconds=cfg.elastic.collective_timeout_s)
+        if len(self.nodes) == 1:
+            group = dist.new_group(backend="gloo", timeout=timeout)
+        else:  # every rank creates every node's group, in the same order; each node saves over its own
+            groups = [dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) for ranks in self.nodes]
+            group = groups[self.nodes.index(self.node)]
+        among = self.node if len(self.nodes) > 1 else None
+        self.saver = AsyncCheckpointer(self.root, keep=cfg.elastic.staging_keep, sync=False, group=group, among=among)
 
     def stage(self, step: int, emus, buffers, state: dict, plan: dict) -> None:
         """Stage ``step``: wait for the previous write, copy to host, write in the background."""
@@ -638,6 +777,7 @@ class Stager:
             self._failed(e)
             return
         t1 = time.perf_counter()
+        state = {**state, "node": {"ranks": list(self.node), "world": sum(map(len, self.nodes))}}
         future = self.saver.save(step, emus, buffers, rank=self.rank, state=state, plan=plan)
         self._submitted, self._done = time.perf_counter(), 0.0
         future.add_done_callback(lambda _: setattr(self, "_done", time.perf_counter()))

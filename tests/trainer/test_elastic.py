@@ -149,15 +149,57 @@ def test_a_killed_worker_is_restarted_from_the_staged_step_and_each_step_is_logg
     assert not os.path.exists(shm_dir)  # the finished run gave the node's memory back
 
 
-def _launcher(run_dir, endpoint: str, steps: int, shm_dir: str, log) -> subprocess.Popen:
-    """One node's `nereus train --nnodes 1:2` (its own session: the launcher and its workers
-    die together), its output to the file ``log`` (a pipe nobody reads could fill and stall it)."""
-    sets = [*SMALL, *ONE, f"steps={steps}", "checkpoint_every=1", "elastic.collective_timeout_s=30", "elastic.last_call_s=2",
-            f"elastic.staging_dir={shm_dir}"]
-    cmd = [sys.executable, "-c", "from nereus.cli.app import main; main()", "train", TINY_GRPO, "--run-dir", str(run_dir),
-           "--nnodes", "1:2", "--max-restarts", "3", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
-           *[a for s in sets for a in ("--set", s)]]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def _launcher(run_dir, endpoint: str, steps: int, staging_dir: str, log, via: str, *, nnodes: str = "1:2",
+              sets: tuple = (*ONE, "checkpoint_every=1")) -> subprocess.Popen:
+    """One node's launch of `nereus train` on ``--nnodes`` — its own launcher (``via``
+    "nereus") or torchrun with the ``nereus`` rendezvous backend ("torchrun") — one worker,
+    its own session, its output to the file ``log`` (a pipe nobody reads could fill and
+    stall it). ``staging_dir``: the node's own (two nodes never share a /dev/shm)."""
+    sets = [*SMALL, *sets, f"steps={steps}", "elastic.collective_timeout_s=30", "elastic.last_call_s=2"]
+    train = ["train", TINY_GRPO, "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+    if via == "nereus":
+        cmd = [sys.executable, "-c", "from nereus.cli.app import main; main()", *train, "--nnodes", nnodes, "--max-restarts", "3",
+               "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3",
+               "--rdzv-backend", "nereus", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+               "--rdzv-conf", "last_call_timeout=2", "--monitor-interval", "0.1", "-m", "nereus.cli.app", *train]
+    env = {**os.environ, "NEREUS_STAGING_DIR": staging_dir}  # the job's config is rank 0's: a node's own path is in its env
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts each worker in a session of its own)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = list(map(int, open(f"/proc/{parent}/task/{task}/children").read().split()))
+            except OSError:
+                continue
+            out += children
+            todo += children
+    return out
+
+
+def kill_node(job: subprocess.Popen) -> None:
+    """SIGKILL a node: its launcher, its session and every process below it."""
+    below = descendants(job.pid)
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # gone already
+    job.wait(timeout=30)
 
 
 def _wait_for(run_dir, ok, deadline: float, what: str) -> list[dict]:
@@ -171,34 +213,35 @@ def _wait_for(run_dir, ok, deadline: float, what: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_node_that_joins_and_a_node_that_leaves_resize_the_job_and_lose_no_committed_step(tmp_path, shm_dir):
-    """Two `nereus train --nnodes 1:2` launchers on this machine stand for two nodes (their
-    run dir for a shared filesystem), one process each. Node A starts alone; node B joins
-    once step 2 is logged: A's agent restarts its workers, the job re-plans for 2 ranks and
-    restores the newest durable step (staging is off on several nodes). Once two steps ran
-    on both, B dies (SIGKILL of its launcher and worker): A's worker fails its collectives,
-    the job re-plans for 1 rank, restores and finishes. Each step is logged once."""
+@pytest.mark.parametrize("via", ["nereus", "torchrun"])
+def test_a_node_that_joins_and_a_node_that_leaves_resize_the_job_and_lose_no_committed_step(tmp_path, shm_dir, via):
+    """Two launches on this machine stand for two nodes (their run dir for a shared
+    filesystem, their staging dirs for each node's /dev/shm), one process each, under
+    `nereus train --nnodes 1:2` or under `torchrun --rdzv-backend nereus` (torch's own c10d
+    backend never hands the joining node the workers' store). Node A starts alone; node B
+    joins once step 2 is logged: A's agent restarts its workers, the job re-plans for 2 ranks
+    and restores the newest durable step (A's staged copy is of a world of 1). Once two steps
+    ran on both, B dies (SIGKILL of its launcher and worker): A's worker fails its
+    collectives, the job re-plans for 1 rank, restores and finishes. Each step is logged once."""
     from nereus.store.checkpoint import CheckpointStore
     from tests.distributed_harness import free_port
 
     run_dir, endpoint, steps = tmp_path / "run", f"127.0.0.1:{free_port()}", 40
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("a", "b")}
-    a = _launcher(run_dir, endpoint, steps, shm_dir, logs["a"])
+    a = _launcher(run_dir, endpoint, steps, f"{shm_dir}/a", logs["a"], via)
     b = None
     try:
         deadline = time.monotonic() + 240
         _wait_for(run_dir, lambda rows: len(rows) >= 2, deadline, "step 2 on node A")
-        b = _launcher(run_dir, endpoint, steps, shm_dir, logs["b"])
+        b = _launcher(run_dir, endpoint, steps, f"{shm_dir}/b", logs["b"], via)
         both = _wait_for(run_dir, lambda rows: sum(len(r["peak_memory_bytes"]) == 2 for r in rows) >= 2, deadline, "2 steps on 2 nodes")
         assert both[-1]["step"] < steps - 4, "the job ran too fast to leave steps for after the leave"
-        os.killpg(b.pid, signal.SIGKILL)
-        b.wait(timeout=30)
+        kill_node(b)
         a.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for job in (a, b):
-            if job is not None and job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait(10)
+            if job is not None:
+                kill_node(job)
         for log in logs.values():
             log.close()
     out = (tmp_path / "a.log").read_text(errors="replace")
@@ -215,6 +258,52 @@ def test_a_node_that_joins_and_a_node_that_leaves_resize_the_job_and_lose_no_com
     joined, left = (worlds.index(2) + 1, len(worlds) - worlds[::-1].index(2))  # the first and the last step on 2 ranks
     assert (restores[0]["step"], restores[1]["step"]) == (joined - 1, left)  # each world went on from the last committed step
     assert CheckpointStore(str(run_dir / "checkpoints")).steps()[-1] == steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_on_two_nodes_a_killed_worker_is_restarted_from_the_step_both_nodes_staged(tmp_path, shm_dir):
+    """Two `nereus train --nnodes 2:2` launchers, one process each, each node staging its
+    part in its own dir. Node B's worker is SIGKILLed once a staged step >= 4 is committed:
+    both agents restart their workers, which restore the newest step both nodes hold from
+    their own nodes' copies, and finish; each step once, and both nodes' copies are given
+    back at the end."""
+    from tests.distributed_harness import free_port
+
+    run_dir, endpoint, steps = tmp_path / "run", f"127.0.0.1:{free_port()}", 10
+    sets = (*ONE, "checkpoint_every=100")
+    logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("a", "b")}
+    nodes = {name: _launcher(run_dir, endpoint, steps, f"{shm_dir}/{name}", logs[name], "nereus", nnodes="2:2", sets=sets)
+             for name in ("a", "b")}
+    killed_at = None
+    try:
+        deadline = time.monotonic() + 240
+        while killed_at is None and time.monotonic() < deadline and all(n.poll() is None for n in nodes.values()):
+            lines = read_metrics(run_dir)
+            staged = lines[-1].get("staging", {}) if lines else {}
+            if staged.get("write_s") is not None and staged["step"] >= 4:
+                killed_at = lines[-1]["step"]
+                pids = worker_pids(nodes["b"].pid)
+                assert len(pids) == 1, f"node b's workers: {pids}"
+                os.kill(pids[0], signal.SIGKILL)
+            time.sleep(0.02)
+        for name in ("a", "b"):
+            nodes[name].wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for job in nodes.values():
+            kill_node(job)
+        for log in logs.values():
+            log.close()
+    out = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in ("a", "b")}
+    assert killed_at is not None and killed_at < steps, f"the job ended before the kill:\n{out['a'][-4000:]}"
+    assert [nodes[n].returncode for n in ("a", "b")] == [0, 0], out["a"][-4000:] + out["b"][-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), "each step exactly once"
+    assert all(len(r["peak_memory_bytes"]) == 2 for r in rows)
+    restores = [json.loads(line) for line in (run_dir / "restores.jsonl").read_text().splitlines()]
+    assert len(restores) == 1 and restores[0]["source"] == "staged" and restores[0]["world"] == 2, restores
+    assert 3 <= restores[0]["step"] <= killed_at, (restores, killed_at)  # a step both nodes held; step 3's at the latest
+    assert not os.path.exists(f"{shm_dir}/a") and not os.path.exists(f"{shm_dir}/b")
 
 
 def _train_and_stage(rank, world, run_dir, shm_dir):
@@ -293,6 +382,107 @@ def _capacity_and_a_failed_write(cfg, rank, trainer, shm_dir):
     data = os.path.join(shm_dir, "data")
     left = os.listdir(data) if os.path.isdir(data) else []
     return tiny.enabled, tiny.refused, full.figures().get("failed"), left, CheckpointStore(shm_dir).steps()
+
+
+def _two_nodes_stage(rank, world, run_dir, shm_dir, shared):
+    """One gloo rank standing for a node of its own (``GROUP_RANK``, ``LOCAL_RANK`` 0, its own
+    staging dir unless ``shared``): a durable checkpoint at step 1, staged steps 2 and 3 on
+    FSDP-sharded state. Then fresh trainers restore: both nodes hold step 3; node 1 lost its
+    step 3 (killed while staging it): step 2, and node 0's step 3 retired; node 1's memory
+    gone (a new machine): the durable step 1. Per restore: (step, source, the actor's state
+    == that step's, this node's staged steps after). Plus: this node's part of step 2 (its
+    box files) and the boxes its rank holds; or, ``shared``, (enabled, refusal)."""
+    import shutil
+
+    import torch
+
+    from nereus.store.checkpoint import CheckpointStore, checkpoint_layouts
+    from nereus.trainer.loop import Trainer
+    from nereus.trainer.staging import Stager, agree_sources, restore_newest
+
+    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    mine = shm_dir if shared else f"{shm_dir}/{rank}"
+    cfg = load_config(TINY_GRPO, [*SMALL, *TWO, "plan.actor.train.dp_shard=true", f"run_dir={run_dir}",
+                                  f"elastic.staging_dir={mine}"])
+    os.makedirs(run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    emus = [e for s in trainer._trained() for e in s.emus]
+    stager = Stager(cfg, rank, emus)
+    if shared:
+        stager.close()
+        return stager.enabled, stager.refused
+
+    def actor():
+        return {k: v.clone() for k, v in trainer.stages["actor.train"].buffers().items()}
+
+    trainer.run_step()
+    trainer.save()
+    states = {1: actor()}
+    for _ in (2, 3):
+        trainer.run_step()
+        trainer.stage(stager)
+        stager.saver.wait()
+        states[trainer.step] = actor()
+    stager.close()
+    store = CheckpointStore(mine)
+    manifest = store.manifest(2)
+    part = sorted((f.tensor, f.offsets) for f in manifest.files)
+    held = sorted({(name, s.offsets) for name, layout in checkpoint_layouts(emus).items() for s in layout.shards
+                   if s.rank == rank and all(s.lengths)})
+    out = []
+    for case in ("both", "node 1 lost step 3", "node 1 lost its memory"):
+        if case == "node 1 lost step 3" and rank == 1:
+            store.delete(3)
+        if case == "node 1 lost its memory" and rank == 1:
+            shutil.rmtree(mine)
+        torch.distributed.barrier()
+        fresh = Trainer(cfg)
+        sources, reasons = agree_sources(cfg, trainer.checkpoint_root())
+        step, record = restore_newest(fresh, sources, reasons)
+        got = fresh.stages["actor.train"].buffers()
+        same = all(torch.equal(got[k], want) for k, want in states[step].items())
+        left = CheckpointStore(mine).steps() if os.path.isdir(mine) else None
+        out.append((step, record["source"], same, left, record["refused"]))
+        torch.distributed.barrier()
+    return out, part, held, manifest.state["node"]
+
+
+@pytest.mark.timeout(180)
+def test_on_two_nodes_each_stages_its_part_and_a_restart_restores_the_newest_step_both_hold(tmp_path, shm_dir):
+    ranks = run_distributed(_two_nodes_stage, 2, str(tmp_path / "run"), shm_dir, False, timeout=170)
+    for rank, (restores, part, held, node) in enumerate(ranks):
+        assert node == {"ranks": [rank], "world": 2}
+        assert part == held and part  # exactly the boxes this node's rank holds: its shards of the FSDP state
+        both, lost_step, lost_memory = restores
+        assert both[:4] == (3, "staged", True, [2, 3]) and both[4] == []
+        assert lost_step[:4] == (2, "staged", True, [2]) and lost_step[4] == []  # node 0's step 3 is retired
+        assert lost_memory[:3] == (1, "durable", True) and lost_memory[3] is None  # every node's copy discarded
+        assert "rank 1 sees none on its node" in lost_memory[4][0]
+    both = set(ranks[0][1]) & set(ranks[1][1])  # FSDP: each node holds its own shards; AdamW's step counters are on both
+    assert both and all("/optim/step/" in name and offsets == () for name, offsets in both), sorted(both)
+    assert len(ranks[0][1]) > len(both)
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_that_would_stage_into_one_directory_do_not_stage(tmp_path, shm_dir):
+    for enabled, refused in run_distributed(_two_nodes_stage, 2, str(tmp_path / "run"), shm_dir, True, timeout=110):
+        assert not enabled and "are on different nodes but their staging dirs are one directory" in refused
+
+
+def test_a_save_by_a_node_writes_every_box_its_ranks_hold_replicas_too():
+    from nereus.reshard.layout import Shard, TensorLayout
+    from nereus.store.dcp_io import all_boxes, plan_owned_boxes
+
+    shards = [Shard(rank=r, offsets=(0, 0), lengths=(4, 4)) for r in (0, 1, 2, 3)]  # replicated on 4 ranks
+    shards += [Shard(rank=r, offsets=(4 * i, 0), lengths=(4, 4)) for i, r in enumerate((0, 2))]  # sharded over 0 and 2
+    layouts = {"w": TensorLayout(name="w", shape=(8, 4), dtype="float32", shards=tuple(shards[:4])),
+               "v": TensorLayout(name="v", shape=(8, 4), dtype="float32", shards=tuple(shards[4:]))}
+    assert plan_owned_boxes(layouts, 0) == [("v", (0, 0), (4, 4)), ("w", (0, 0), (4, 4))] and plan_owned_boxes(layouts, 2) == [
+        ("v", (4, 0), (4, 4))]
+    node = frozenset({2, 3})  # the replica's lowest holder is on another node: this node writes it too
+    assert plan_owned_boxes(layouts, 2, node) == [("v", (4, 0), (4, 4)), ("w", (0, 0), (4, 4))]
+    assert plan_owned_boxes(layouts, 3, node) == []
+    assert all_boxes(layouts, frozenset({3})) == [("w", (0, 0), (4, 4))]
 
 
 @pytest.mark.timeout(120)
@@ -487,11 +677,12 @@ def test_a_kill_halfway_through_a_transition_leaves_the_old_committed_state_usab
 # ------------------------------------------------------------------ pure checks
 
 
-def _view(step=5, run="/r", plan=None, layouts=None, lineage="L1", record=None):
+def _view(step=5, run="/r", plan=None, layouts=None, lineage="L1", record=None, node=None):
     plan = plan if plan is not None else {"actor": {"train": {"dp": 2, "tp": 1, "pp": 1}}}
     return {"step": step, "data": f"data/{step}", "plan": plan, "staged": {"run": run, "lineage": lineage},
             "plan_record": record if record is not None else {"version": 1, "since": 3, "digest": plan_digest(plan)},
-            "layouts": layouts if layouts is not None else [["actor.train", [2, 1, 1], [2, 1, 1]]]}
+            "layouts": layouts if layouts is not None else [["actor.train", [2, 1, 1], [2, 1, 1]]],
+            "node": node if node is not None else {"ranks": [0, 1], "world": 2}}
 
 
 def _durable(lineage="L1", version=1, since=3, plan=None):
@@ -547,14 +738,75 @@ def test_choose_sources_orders_staged_first_and_needs_every_rank_to_see_it():
     assert [(s.kind, s.step) for s in sources] == [("staged", 5), ("durable", 4)] and reasons == []
     other = [views[0], {"staged": None, "durable": 4, "durable_plan": None, "durable_state": _durable()}]
     sources, reasons = choose_sources(other, run_dir="/r", staged_root="/dev/shm/x", durable_root="/r/checkpoints")
-    assert [s.kind for s in sources] == ["durable"] and "rank 1 sees a staged copy other than rank 0's (no staged copy" in reasons[0]
-    stale = [{"staged": _view(step=3), "durable": 4, "durable_plan": None}]
+    assert [s.kind for s in sources] == ["durable"] and "rank 1 sees none on its node (a new machine" in reasons[0]
+    stale = [{"staged": _view(step=3, node={"ranks": [0], "world": 1}), "durable": 4, "durable_plan": None}]
     sources, reasons = choose_sources(stale, run_dir="/r", staged_root="/dev/shm/x", durable_root="/r/checkpoints")
     assert [s.kind for s in sources] == ["durable"] and "staged copy of step 3 refused: its step 3 is older" in reasons[0]
     nothing = [{"staged": None, "durable": None, "durable_plan": None}]
     assert choose_sources(nothing, run_dir="/r", staged_root="/x", durable_root="/y") == ([], [])
-    off = choose_sources(views, run_dir="/r", staged_root="/x", durable_root="/y", staging_off="several nodes")
-    assert [s.kind for s in off[0]] == ["durable"] and off[1] == ["staged copy not used: several nodes"]
+
+
+def _node_view(rank_steps, node, world=2, **kw):
+    """One rank's view of its node's staged copies: the newest first, then the older ones."""
+    staged = [_view(step=s, node={"ranks": node, "world": world}, **kw) for s in sorted(rank_steps, reverse=True)]
+    return {"staged": staged[0] if staged else None, "staged_older": staged[1:], "durable": 4, "durable_plan": None,
+            "durable_state": _durable()}
+
+
+def test_on_several_nodes_the_newest_step_every_node_holds_on_every_rank_s_own_node_is_restored():
+    def choose(views):
+        sources, reasons = choose_sources(views, run_dir="/r", staged_root="/dev/shm/x", durable_root="/r/checkpoints")
+        return [(s.kind, s.step) for s in sources], reasons
+
+    # two nodes, one rank each: each node's part of step 5, different data dirs on each
+    assert choose([_node_view([5], [0]), _node_view([5], [1])]) == ([("staged", 5), ("durable", 4)], [])
+    # node 0 committed step 6 before node 1 died staging it: the step both hold
+    assert choose([_node_view([5, 6], [0]), _node_view([5], [1])]) == ([("staged", 5), ("durable", 4)], [])
+    got, reasons = choose([_node_view([6], [0]), _node_view([5], [1])])  # staging_keep=1: nothing in common
+    assert got == [("durable", 4)] and "no staged step in common (rank 0: [6], rank 1: [5])" in reasons[0]
+    # the ranks moved between nodes: rank 0 finds node 1's part on its node
+    got, reasons = choose([_node_view([5], [1]), _node_view([5], [0])])
+    assert got == [("durable", 4)] and "rank 0's node staged it for ranks [1] of a world of 2, not for rank 0 of 2" in reasons[0]
+    got, reasons = choose([_node_view([5], [0], world=4), _node_view([5], [1], world=4)])  # the world shrank
+    assert got == [("durable", 4)] and "a world of 4, not for rank 0 of 2" in reasons[0]
+    other = {"actor": {"train": {"dp": 1, "tp": 2, "pp": 1}}}
+    got, reasons = choose([_node_view([5], [0]), _node_view([5], [1], plan=other, layouts=[["actor.train", [1, 2, 1], [1, 2, 1]]])])
+    assert got == [("durable", 4)] and "rank 1's node holds another copy of it than rank 0's" in reasons[0]
+    # the newest common step refused (another plan on one node), the one before it restored
+    mixed = _node_view([5, 6], [1])
+    mixed["staged"] = _view(step=6, node={"ranks": [1], "world": 2}, lineage="L2")
+    got, reasons = choose([_node_view([5, 6], [0]), mixed])
+    assert got == [("staged", 5), ("durable", 4)] and "staged step 6 refused: rank 1's node holds another copy" in reasons[0]
+    unreadable = _node_view([5], [1])
+    unreadable["staged"] = {"error": "its manifest cannot be read (x)"}
+    got, reasons = choose([_node_view([5], [0]), unreadable])
+    assert got == [("durable", 4)] and reasons == ["staged copy refused on rank 1: its manifest cannot be read (x)"]
+
+
+def test_a_node_s_own_staging_dir_comes_from_its_environment(monkeypatch):
+    from nereus.trainer.staging import STAGING_ENV, staging_root
+
+    cfg = load_config(TINY_GRPO, ["elastic.staging_dir=/dev/shm/from-config"])
+    monkeypatch.delenv(STAGING_ENV, raising=False)
+    assert staging_root(cfg) == "/dev/shm/from-config"
+    monkeypatch.setenv(STAGING_ENV, "/dev/shm/node-b")
+    assert staging_root(cfg) == "/dev/shm/node-b"  # the config is rank 0's on every node; the node's own path wins
+    for bad in ("shm/x", "s3://bucket/x"):
+        monkeypatch.setenv(STAGING_ENV, bad)
+        with pytest.raises(ConfigError, match=f"environment variable {STAGING_ENV} must be a local absolute path"):
+            staging_root(cfg)
+
+
+def test_nodes_are_told_apart_and_a_staging_dir_two_nodes_share_is_refused():
+    from nereus.trainer.staging import group_nodes, shared_dir
+
+    assert group_nodes(["node 1", "node 0", "node 1", "node 0"]) == [[0, 2], [1, 3]]
+    nodes = [[0, 1], [2, 3]]
+    own = [("h0", 1, 7), ("h0", 1, 7), ("h1", 1, 7), ("h1", 1, 7)]  # the same path on two machines
+    assert shared_dir(nodes, own) is None
+    one = [("h0", 1, 7)] * 4  # two launches on one machine, one /dev/shm dir
+    assert "ranks 0 and 2 are on different nodes but their staging dirs are one directory" in shared_dir(nodes, one)
+    assert shared_dir([[0, 1, 2, 3]], one) is None  # one node: its ranks share its dir
 
 
 def test_an_unreadable_durable_manifest_is_refused_on_every_rank_not_fatal(tmp_path, monkeypatch):
@@ -605,16 +857,15 @@ def test_elastic_config_and_flags_are_checked():
     assert own_result({2: {"step": 8, "node": "b"}, 3: {"step": 8}}) == {"step": 8, "node": "b"}  # this node's ranks, not 0
 
 
-def test_staging_is_off_on_several_nodes_and_capacity_is_checked(monkeypatch):
+def test_staging_mode_and_capacity_are_checked(monkeypatch):
     from nereus.trainer.staging import capacity_refusal, staging_mode
 
-    cfg = load_config(TINY_GRPO, ["elastic.staging=always"])
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert staging_mode(cfg) == (True, None)
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    on, why = staging_mode(cfg)
-    assert not on and "several nodes (4 ranks, 2 on this node): staging is off" in why
+    assert staging_mode(load_config(TINY_GRPO, ["elastic.staging=always"])) is True
+    assert staging_mode(load_config(TINY_GRPO, ["elastic.staging=never"])) is False
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert staging_mode(load_config(TINY_GRPO, ["elastic.staging=auto"])) is False
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    assert staging_mode(load_config(TINY_GRPO, ["elastic.staging=auto"])) is True
     mib = 1 << 20
     assert capacity_refusal(10 * mib, 2, 30 * mib, 0) is None
     assert capacity_refusal(10 * mib, 2, 10 * mib, 20 * mib) is None  # this run's earlier copies rotate out
