@@ -8,7 +8,11 @@ Triggers, checked before every step:
 - ``world`` (urgent): the number of ranks changed;
 - ``drift:<signal>``: a watched signal moved more than ``drift`` (relative) since the last
   replan. Signals: the mean and the longest response length, and each model-stage's share
-  of the measured step time. After every replan, admitted or not, the references reset;
+  of the measured step time. After every replan, admitted or not, the references reset —
+  before the replan is priced, so that a decision that raises does not fire again on the
+  next step nor count a one-step gap; on the first measured step of a new plan the shares
+  rebase (``DriftWatch.rebase``: the move itself changed them, which is no drift of the
+  work, and would otherwise trigger the next decision and shorten H with a one-step gap);
 - ``first``: the first step observed (``Controller``): the running plan was planned before
   any step was measured (for the config's longest responses), never for the observed work.
 
@@ -16,7 +20,7 @@ Admission (the Nereus paper: admit if ΔL > 0 and L_tran / ΔL ≤ γ · H), jud
 accumulated over the horizon rather than per step:
 
     ΔL   = predicted seconds per step of the running plan − of the best plan
-    σ    = the uncertainty of ΔL, seconds per step: ``band`` · √Σ (old_k² + new_k²) over the
+    σ    = the uncertainty of ΔL, seconds per step: √Σ band_k² · (old_k² + new_k²) over the
            model-stages k whose layout or prediction differs (``difference_spread``)
     h    = min(H, steps left)
     G    = h · (ΔL − σ)          (the accumulated gain, less its uncertainty)
@@ -25,10 +29,14 @@ accumulated over the horizon rather than per step:
            and the best plan was not left within the last ``hysteresis`` steps
 
 Why the difference's band, not the running plan's: the relative error of a prediction
-(``band``, the step-time model's measured mean relative error on this job, ``Controller``
-keeps it) is shared by the pieces the two plans have in common — their predictions are the
-same numbers, and cancel in ΔL — so only the pieces that change carry it, combined as if
-independent. That is an estimate, not a bound: a calibration off in opposite directions on
+(``band_k``, the RMS of model-stage k's measured relative error on this job over the last
+steps, never below 5%; ``Controller.bands``) is shared by the pieces the two plans have in
+common — their predictions are the same numbers, and cancel in ΔL — so only the pieces that
+change carry it, combined as if independent. Per stage, not the whole step's: the stages'
+errors partly cancel in the step's total, which understates the error of any one stage
+that changes (simulated at 1,024 MI250X: the step's mean error ~2%, a stage's RMS 3-5%);
+the 5% floor stands for what no measurement of the running layout shows, the model's bias
+on the new one. That is an estimate, not a bound: a calibration off in opposite directions on
 two operation classes makes the old and the new prediction err in opposite directions, and
 their difference then errs by more.
 Why σ is charged on every step of the horizon (not √h): what the model gets wrong about a
@@ -98,6 +106,13 @@ class DriftWatch:
     def reset(self, signals: dict[str, float]) -> None:
         self.reference = dict(signals)
 
+    def rebase(self, signals: dict[str, float], step: int) -> None:
+        """Take ``signals`` as the references without a drift (no trigger, no gap): what a
+        change of plan itself moved. A signal seen for the first time starts its first gap."""
+        for name, value in signals.items():
+            self.reference[name] = value
+            self.last_drift.setdefault(name, step)
+
     def horizon(self, name: str, window: int = 5) -> float:
         """H: the mean of the last ``window`` gaps between drifts of ``name``, the first from
         the step it was first seen (1 before any)."""
@@ -105,16 +120,19 @@ class DriftWatch:
         return sum(gaps) / len(gaps) if gaps else 1.0
 
 
-def difference_spread(old: dict[str, float], new: dict[str, float], band: float, changed=()) -> float:
-    """σ of the module docstring: seconds per step, ``band`` of the pieces that differ
+def difference_spread(old: dict[str, float], new: dict[str, float], band: float, changed=(), *,
+                      bands: dict[str, float] | None = None) -> float:
+    """σ of the module docstring: seconds per step, the band of each piece that differs
     between the two plans' per-model-stage predictions (``old``, ``new``; a stage in
-    ``changed`` counts even where its prediction happens to be equal)."""
+    ``changed`` counts even where its prediction happens to be equal): ``bands[key]`` (that
+    stage's own measured error), ``band`` for a stage without one."""
     total = 0.0
+    bands = bands or {}
     for key in old.keys() | new.keys():
         a, b = old.get(key, 0.0), new.get(key, 0.0)
         if key in changed or abs(a - b) > 1e-12 * max(abs(a), abs(b), 1e-30):
-            total += a * a + b * b
-    return band * total ** 0.5
+            total += bands.get(key, band) ** 2 * (a * a + b * b)
+    return total ** 0.5
 
 
 def admit(

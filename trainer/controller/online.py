@@ -73,6 +73,13 @@ def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) 
     return None
 
 
+def piece_stage(name: str, stages) -> str:
+    """The model-stage a measured piece belongs to (``search.stage_seconds``' sum): a weight
+    sync ``sync.<key>`` and a training stage's own forward ``<key>.infer`` to ``<key>``."""
+    key = name[len("sync."):] if name.startswith("sync.") else name[: -len(".infer")] if name.endswith(".train.infer") else name
+    return key if key in stages else name
+
+
 def observed_prompt_mean(metrics: dict) -> float | None:
     """A step's real prompt tokens per row on average: a model-stage's real tokens per row
     (``real_tokens`` / ``rows``, what packing runs on) less the mean response length; None
@@ -106,9 +113,11 @@ class Controller:
         self.memory_samples: deque = deque(maxlen=400)
         self.transition_samples: list[tuple[float, int, float]] = []
         self.errors: deque = deque(maxlen=20)
+        self.stage_errors: dict[str, deque] = {}  # per model-stage: its pieces' relative error, the last 20 steps
         self.lengths: list[tuple[int, float]] = []
         self.prompt_mean: float | None = None  # real prompt tokens of a row, on average (None: as long as the longest)
         self.watch = DriftWatch(drift=settings.drift)
+        self.watched = plan_key(cfg.plan)  # the plan the watch's shares were measured under
         self.left: dict[str, int] = {}
         self.step = first_step
         self.nproc = cfg.nproc
@@ -127,6 +136,15 @@ class Controller:
         """The step-time model's mean relative error on this job so far (out of sample)."""
         return max(MIN_BAND, sum(self.errors) / len(self.errors)) if self.errors else 0.5
 
+    @property
+    def bands(self) -> dict[str, float]:
+        """Per model-stage, the RMS of its prediction's relative error on the last 20 steps
+        (out of sample; its pieces — the stage, its weight sync, a training stage's own
+        forward — summed as ``search.stage_seconds`` sums them), never below ``MIN_BAND``:
+        admission's σ of a stage that changes (``admission.difference_spread``). The step's
+        errors partly cancel across stages, so the whole step's band is no stage's."""
+        return {k: max(MIN_BAND, (sum(e * e for e in v) / len(v)) ** 0.5) for k, v in self.stage_errors.items() if v}
+
     def observe(self, cfg: JobConfig, metrics: dict) -> dict:
         """Log predictions beside the measurements of step ``metrics["step"]``, then
         recalibrate. Returns the predictions line."""
@@ -138,6 +156,8 @@ class Controller:
         work = dataclasses.replace(Workload.from_config(cfg).at(longest, mean), prompt_mean=self.prompt_mean)
         where = Placement(nproc=cfg.nproc, profile=self.profile)
         pieces, predicted_total, measured_total = {}, 0.0, 0.0
+        per_stage: dict[str, list[float]] = {}  # model-stage: [predicted, measured] of its pieces
+        stages = cfg.plan.stages()
         for name, record in metrics["stages"].items():
             features = piece_features(cfg, name, work, where)
             if features is None:
@@ -147,8 +167,14 @@ class Controller:
             predicted_total += predicted
             measured_total += record["seconds"]
             self.samples.append(features, record["seconds"])
+            both = per_stage.setdefault(piece_stage(name, stages), [0.0, 0.0])
+            both[0] += predicted
+            both[1] += record["seconds"]
         error = abs(predicted_total - measured_total) / measured_total if measured_total > 0 else 0.0
         self.errors.append(error)
+        for key, (p, m) in per_stage.items():
+            if m > 0:
+                self.stage_errors.setdefault(key, deque(maxlen=20)).append((p - m) / m)
         memory = self._observe_memory(cfg, metrics, work)
         if self.settings.calibrate:
             self.model = self.model.calibrate_rows(self.samples.matrix())  # = calibrate() of the last 4,000 samples
@@ -216,13 +242,16 @@ class Controller:
             urgent = True
         signals = self.signals(cfg, metrics)
         first = bool(signals) and not self.watch.reference  # the first step seen: the plan was made for no observed work
+        if metrics is not None and plan_key(cfg.plan) != self.watched:  # the first measured step of a new plan
+            self.watch.rebase({k: v for k, v in signals.items() if k.startswith("share:")}, self.step)
+            self.watched = plan_key(cfg.plan)
         drifted = self.watch.check(self.step, signals)
         triggers += [f"drift:{name}" for name in drifted] + (["first"] if first else [])
         if not triggers:
             return None
+        self.watch.reset(signals)  # before pricing: a decision that raises does not fire again
         old_stages = plan_seconds(cfg, cfg.plan, ahead, where, self.model)  # (pure: priced once a trigger fired)
         old = sum(old_stages.values())
-        self.watch.reset(signals)
         # H (admission): the drifts' mean gap, at least the lookahead a plan is chosen to fit
         horizon = max([self.watch.horizon(n) for n in drifted] + [float(ahead_steps)])
         common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
@@ -271,7 +300,7 @@ class Controller:
         changed = {k for k, sc in best.plan.stages().items() if running.get(k) != sc}
         ok, reason = admit(
             urgent=urgent, old_seconds=old, new_seconds=best.seconds, transition_seconds=cost.seconds, horizon=horizon,
-            steps_left=steps_left, spread=difference_spread(old_stages, best.stage_seconds, self.band, changed), gamma=self.settings.gamma,
+            steps_left=steps_left, spread=difference_spread(old_stages, best.stage_seconds, self.band, changed, bands=self.bands), gamma=self.settings.gamma,
             recently_left=self.step - self.left.get(plan_key(best.plan), -10**9) < self.settings.hysteresis,
         )
         decision = Decision(**common, admitted=ok, reason=reason, new_plan=config_to_dict(best.plan), new_seconds=best.seconds,
@@ -357,17 +386,17 @@ class Controller:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (JSON): the lengths seen, the plans left and when, the drift
-        references, and the calibration's evidence — the step-time samples (as the fit's
+        references (and the plan they were measured under), and the calibration's evidence — the step-time samples (as the fit's
         rows), the memory and transition samples, the measured messages, the recent errors
         (the band) — so that a
         resumed controller fits and decides as the uninterrupted one would have (JSON keeps
         every float exactly)."""
         return {"lengths": [list(x) for x in self.lengths], "left": dict(self.left),
                 "reference": dict(self.watch.reference), "last_drift": dict(self.watch.last_drift),
-                "gaps": {k: list(v) for k, v in self.watch.gaps.items()},
+                "gaps": {k: list(v) for k, v in self.watch.gaps.items()}, "watched": self.watched,
                 "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples],
                 "transition_samples": [list(x) for x in self.transition_samples], "transfers": [list(x) for x in self.transfers],
-                "errors": list(self.errors),
+                "errors": list(self.errors), "stage_errors": {k: list(v) for k, v in self.stage_errors.items()},
                 "prompt_mean": self.prompt_mean, "profile": self.profile.name}
 
     def load_state(self, state: dict) -> None:
@@ -379,6 +408,7 @@ class Controller:
         self.watch.reference = dict(state.get("reference", {}))
         self.watch.last_drift = {k: int(v) for k, v in state.get("last_drift", {}).items()}
         self.watch.gaps = {k: list(v) for k, v in state.get("gaps", {}).items()}
+        self.watched = state.get("watched")  # None (saved before it was kept): the shares rebase on the next measured step
         if "samples" not in state or state.get("profile") != self.profile.name:
             return
         self.samples.load_state_dict(state["samples"])
@@ -389,6 +419,7 @@ class Controller:
         self.transfers.extend((str(k), int(n), float(t)) for k, n, t in state.get("transfers", []))
         self.errors.clear()
         self.errors.extend(float(e) for e in state["errors"])
+        self.stage_errors = {k: deque((float(e) for e in v), maxlen=20) for k, v in state.get("stage_errors", {}).items()}
         self.prompt_mean = None if state["prompt_mean"] is None else float(state["prompt_mean"])
         if self.settings.calibrate:
             if self.samples.count:

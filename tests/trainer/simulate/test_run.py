@@ -255,3 +255,37 @@ def test_the_headroom_oracle_keeps_the_controllers_headroom_and_bounds_the_oracl
     bound, oracle = r.results["oracle_headroom"], r.results["oracle"]
     assert len(bound.ran) == len(oracle.ran) == len(trace)
     assert oracle.mean_latency <= bound.mean_latency * (1 + 1e-9) < r.results["fixed"].mean_latency
+
+
+def test_under_constant_lengths_a_move_does_not_trigger_the_next_decision(tmp_path):
+    """Constant responses: the first step triggers a search and a move; the move changes the
+    stage shares itself, which the watch rebases on the new plan's first measured step — no
+    later decision (without the rebase: a ``drift:share`` decision at step 2)."""
+    from nereus.trainer.simulate.traces import generate, load_trace_spec
+
+    cluster, job = load_cluster(CLUSTER), load_job(JOB)
+    spec = load_trace_spec({"name": "flat", "steps": 30, "lengths": {"kind": "constant", "start": 1500}})
+    trace = generate(spec, rows=job.rows, cap=job.response.max, devices=cluster.devices, per_node=cluster.per_node)
+    r = simulate(cluster, job, trace, policies=("fixed", "adaptive"), run_dir=str(tmp_path))
+    assert [(m.step, m.trigger) for m in r.results["adaptive"].moves] == [(1, "first")]
+    decisions = [json.loads(x) for x in open(tmp_path / "adaptive" / "transitions.jsonl")]
+    assert [d["step"] for d in decisions if d["kind"] == "decision"] == [1]
+
+
+def test_the_benchmark_states_what_the_latency_bar_asks_of_the_oracle():
+    """tools/bench_simulate.py's ``bar_bound``: the adaptive mean that meets the latency bar,
+    as a ratio to the oracle's and the headroom oracle's means (below 1: beat the oracle)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "tools" / "bench_simulate.py"
+    spec = importlib.util.spec_from_file_location("bench_simulate", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    d = {"policies": {"fixed": {"mean_latency_s": 400.0}, "adaptive": {"mean_latency_s": 330.0}, "oracle": {"mean_latency_s": 310.0}},
+         "vs_fixed": {"oracle": 1 - 310 / 400}, "oracle_headroom": {"mean_latency_s": 325.0, "latency_reduction": 1 - 325 / 400}}
+    got = bench.bar_bound(d)
+    assert got["needed_mean_s"] == pytest.approx((1 - bench.BARS["latency_reduction"]) * 400.0)
+    assert got["needed_vs_oracle"] == pytest.approx(got["needed_mean_s"] / 310.0)
+    assert got["needed_vs_oracle_headroom"] == pytest.approx(got["needed_mean_s"] / 325.0) and got["needed_vs_oracle_headroom"] < 1
+    assert got["vs_oracle_mean_s"] == pytest.approx(bench.BARS["vs_oracle"] * 310.0)

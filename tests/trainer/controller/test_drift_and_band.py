@@ -1,0 +1,131 @@
+"""The drift watch around a change of plan and a failed decision, and the per-stage error band
+of admission (pure, no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from nereus.trainer.config import load_config
+from nereus.trainer.controller import online
+from nereus.trainer.controller.admission import difference_spread
+from nereus.trainer.controller.online import MIN_BAND, Controller
+from nereus.trainer.controller.profiles import load_profile
+
+CPU = load_profile("cpu")
+SECONDS = {"actor.gen": 0.2, "actor.train": 0.6, "ref.infer": 0.1, "sync.actor.gen": 0.02}
+
+
+def tiny(*overrides: str):
+    return load_config("configs/tiny_grpo.yaml", ["nproc=4", *overrides])
+
+
+def metrics(step: int, seconds: dict[str, float], width: int = 9, response: float = 4.0) -> dict:
+    return {"step": step, "response_length": response, "lengths": {"response_max": width - 5, "width": width, "prompt": 5},
+            "stages": {k: {"seconds": s, "peak_bytes": [10 << 20] * 4} for k, s in seconds.items()}}
+
+
+def other_plan(cfg):
+    """The running plan with actor.train's micro-batch changed: a new plan (its key differs)."""
+    sc = cfg.plan.actor.train
+    new = dataclasses.replace(sc, micro_batch_size=1 if sc.micro_batch_size != 1 else 2)
+    return dataclasses.replace(cfg.plan, actor=dataclasses.replace(cfg.plan.actor, train=new))
+
+
+def test_a_moves_own_change_of_the_shares_triggers_no_decision():
+    """The plan changes after step 1: on step 2 (its first measured step) actor.train's share
+    falls by half — the move did that, not the work — so nothing fires and no gap is counted;
+    the same swing on the same plan later is a drift."""
+    cfg = tiny()
+    ctl = Controller(cfg, CPU)
+    ctl.observe(cfg, metrics(1, SECONDS))
+    assert "first" in ctl.decide(cfg, metrics(1, SECONDS)).trigger
+    gaps = {k: list(v) for k, v in ctl.watch.gaps.items()}
+    cfg = dataclasses.replace(cfg, plan=other_plan(cfg))  # as an admitted move leaves it
+    faster = {**SECONDS, "actor.train": 0.2}  # shares: actor.train 0.65 -> 0.38, actor.gen 0.22 -> 0.38
+    ctl.observe(cfg, metrics(2, faster))
+    assert ctl.decide(cfg, metrics(2, faster)) is None
+    assert ctl.watch.gaps == gaps
+    assert ctl.watch.reference["share:actor.train"] == pytest.approx(0.2 / sum(faster.values()))
+    ctl.observe(cfg, metrics(3, SECONDS))  # the same swing back, the plan unchanged: a drift of the work
+    d = ctl.decide(cfg, metrics(3, SECONDS))
+    assert d is not None and "drift:share:actor.train" in d.trigger.split(",")
+
+
+def test_the_rebase_is_kept_across_a_resume():
+    """The plan the references were measured under goes into the controller's state: a
+    resumed controller on the same plan does not rebase (a drift still fires), one that
+    resumed into another plan does."""
+    cfg = tiny()
+    ctl = Controller(cfg, CPU)
+    ctl.observe(cfg, metrics(1, SECONDS))
+    ctl.decide(cfg, metrics(1, SECONDS))
+    faster = {**SECONDS, "actor.train": 0.2}
+    same = Controller(cfg, CPU, first_step=1)
+    same.load_state(ctl.state_dict())
+    same.observe(cfg, metrics(2, faster))
+    assert "drift:share:actor.train" in same.decide(cfg, metrics(2, faster)).trigger
+    moved = dataclasses.replace(cfg, plan=other_plan(cfg))
+    into = Controller(moved, CPU, first_step=1)
+    into.load_state(ctl.state_dict())
+    into.observe(moved, metrics(2, faster))
+    assert into.decide(moved, metrics(2, faster)) is None
+
+
+def test_a_decision_that_raises_does_not_fire_again_nor_shorten_the_horizon(monkeypatch):
+    """A drift whose pricing raises (the loop logs it and keeps the plan): the references
+    were reset before the pricing, so the next step with the same signals triggers nothing,
+    and no one-step gap enters H."""
+    cfg = tiny()
+    ctl = Controller(cfg, CPU)
+    ctl.observe(cfg, metrics(1, SECONDS))
+    ctl.decide(cfg, metrics(1, SECONDS))
+    for step in (2, 3):
+        ctl.observe(cfg, metrics(step, SECONDS))
+        assert ctl.decide(cfg, metrics(step, SECONDS)) is None
+
+    def broken(*a, **k):
+        raise RuntimeError("pricing failed")
+
+    monkeypatch.setattr(online, "plan_seconds", broken)
+    slow = {**SECONDS, "actor.gen": 0.8}
+    ctl.observe(cfg, metrics(4, slow))
+    with pytest.raises(RuntimeError, match="pricing failed"):
+        ctl.decide(cfg, metrics(4, slow))
+    gaps = {k: list(v) for k, v in ctl.watch.gaps.items()}
+    assert gaps["share:actor.gen"] == [3]  # first seen at step 1, drifted at step 4
+    for step in (5, 6):
+        ctl.observe(cfg, metrics(step, slow))
+        assert ctl.decide(cfg, metrics(step, slow)) is None  # no refire
+    assert ctl.watch.gaps == gaps
+
+
+def test_the_band_of_a_stage_is_its_own_error_not_the_steps():
+    """actor.train predicted 30% low and ref.infer + actor.gen high so that the step's total
+    is nearly right: the step's band stays at its floor, actor.train's is its own 30%, and a
+    change of actor.train is charged 30% of it (the step's band would charge 5%)."""
+    cfg = tiny("controller.calibrate=false")  # the priors' predictions, the same every step
+    probe = Controller(cfg, CPU)
+    predicted = {k: v["predicted_s"] for k, v in probe.observe(cfg, metrics(1, SECONDS))["pieces"].items()}
+    up = 0.3 * predicted["actor.train"]  # measured 30% above: the model 30% low on it
+    rest = predicted["actor.gen"] + predicted["ref.infer"] + predicted["sync.actor.gen"]
+    measured = {"actor.train": predicted["actor.train"] * 1.3,
+                **{k: predicted[k] * (1 - up / rest) for k in ("actor.gen", "ref.infer", "sync.actor.gen")}}
+    ctl = Controller(cfg, CPU)
+    for step in range(1, 6):
+        ctl.observe(cfg, metrics(step, measured))
+    assert ctl.band == MIN_BAND  # the step's error: ~0
+    bands = ctl.bands
+    assert bands["actor.train"] == pytest.approx(0.3 / 1.3, rel=1e-6)  # |p − m| / m
+    assert bands["ref.infer"] == pytest.approx(max(MIN_BAND, (up / rest) / (1 - up / rest)), rel=1e-6)
+    old, new = {"actor.train": 10.0, "actor.gen": 5.0}, {"actor.train": 8.0, "actor.gen": 5.0}
+    assert difference_spread(old, new, ctl.band, bands=bands) == pytest.approx(bands["actor.train"] * (100 + 64) ** 0.5)
+    assert difference_spread(old, new, ctl.band, bands=bands) > 4 * difference_spread(old, new, ctl.band)
+    # a stage without its own errors gets the step's band
+    assert difference_spread({"x": 3.0}, {"x": 4.0}, 0.1, bands=bands) == pytest.approx(0.1 * 5.0)
+    # and the per-stage errors survive a resume
+    again = Controller(cfg, CPU, first_step=5)
+    again.load_state(ctl.state_dict())
+    assert again.bands == bands
+
