@@ -31,7 +31,8 @@ adaptive's), ``oracle_headroom_latency_reduction`` (the reference of section 1),
 and what bounds the latency bar on this run (``bar_bound``): ``oracle_latency_reduction`` (the
 oracle's own), ``bar_needs_vs_oracle`` and ``bar_needs_vs_oracle_headroom`` — the adaptive
 mean ÷ the oracle's (the headroom oracle's) that meets ``latency_reduction`` ≥ 0.20: below 1,
-it must beat a policy that knows the truth and moves for free. The machine is shared: wall times move with its load.
+it must beat a policy that knows the truth and moves for free; and ``machine_loop_s``, the
+seconds of a 10^7-iteration Python loop here (the walls' bound: compare runs by it). The machine is shared: wall times move with its load.
 """
 
 from __future__ import annotations
@@ -130,6 +131,18 @@ def live(steps: int = 12, calibrate_on: int = 4) -> dict:
     return c
 
 
+def machine_loop_seconds(n: int = 10**7) -> float:
+    """This machine's interpreter speed, the bound of ``sim_seconds_*`` (the simulator is Python
+    around small arrays): the seconds of an ``n``-iteration add loop, the best of 3."""
+    best = float("inf")
+    for _ in range(3):
+        t0, total = time.perf_counter(), 0
+        for i in range(n):
+            total += i
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "simulate.json"))
@@ -137,7 +150,8 @@ def main() -> None:
     ap.add_argument("--skip-live", action="store_true")
     ap.add_argument("--skip-4096", action="store_true")
     args = ap.parse_args()
-    out: dict = {}
+    out: dict = {"machine_loop_s": machine_loop_seconds()}
+    print(f"this machine: a 10^7-iteration Python add loop takes {out['machine_loop_s']:.2f} s (the simulator's walls scale with it)", flush=True)
     out["drift_1024"] = run_sim("mi250x_1024", "llama3_8b_ppo", "drift", args.steps)
     print(table("drift, 1,024 MI250X GCDs, Llama-3.1-8B PPO", out["drift_1024"]), flush=True)
     bound = run_sim("mi250x_1024", "llama3_8b_ppo", "drift", args.steps, policies=("fixed", "oracle_headroom"))
@@ -181,6 +195,7 @@ def main() -> None:
         "bar_needs_vs_oracle": d["bar_bound"]["needed_vs_oracle"],
         "bar_needs_vs_oracle_headroom": d["bar_bound"]["needed_vs_oracle_headroom"],
         "live_error": out["live"]["live_error"] if "live" in out else None,
+        "machine_loop_s": out["machine_loop_s"],
     }
     out["summary"] = line
     out["bars"] = BARS

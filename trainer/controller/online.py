@@ -48,6 +48,9 @@ from .workload import Workload
 
 MIN_BAND = 0.05
 """The smallest error band used, however well the step-time model has fitted so far."""
+MEMORY_STEPS = 12
+"""Steps of a rank class's measured peaks the memory fit keeps (``fit_memory``: the largest
+correction of them), each its worst rank's."""
 UNSEEN_MARGIN = 0.25
 """A class of training layouts (``search.rank_class``) the job has not run yet is priced at
 the largest correction measured plus this share of the model's peak: FSDP2's, TP's and PP's
@@ -110,7 +113,8 @@ class Controller:
         self.transitions = TransitionModel(link=self.links)
         self.transfers: deque = deque(maxlen=2000)  # measured messages: (link class, bytes, seconds)
         self.samples = SampleRows(4000)  # the step-time samples seen, as the calibration's rows
-        self.memory_samples: deque = deque(maxlen=400)
+        # per rank class: the worst rank's (resident, transient, measured) of each of its last MEMORY_STEPS steps
+        self.memory_record: dict[str, deque] = {}
         self.transition_samples: list[tuple[float, int, float]] = []
         self.errors: deque = deque(maxlen=20)
         self.stage_errors: dict[str, deque] = {}  # per model-stage: its pieces' relative error, the last 20 steps
@@ -144,6 +148,10 @@ class Controller:
         admission's σ of a stage that changes (``admission.difference_spread``). The step's
         errors partly cancel across stages, so the whole step's band is no stage's."""
         return {k: max(MIN_BAND, (sum(e * e for e in v) / len(v)) ** 0.5) for k, v in self.stage_errors.items() if v}
+
+    def memory_samples(self) -> list[tuple[str, int, int, int]]:
+        """The memory record as ``fit_memory``'s (class, resident, transient, measured) samples."""
+        return [(cls, *sample) for cls, record in self.memory_record.items() for sample in record]
 
     def observe(self, cfg: JobConfig, metrics: dict) -> dict:
         """Log predictions beside the measurements of step ``metrics["step"]``, then
@@ -203,14 +211,20 @@ class Controller:
         peaks = [self.memory.peak(*t) for t in terms]
         rows = group.tolist()
         predicted, classes = [peaks[g] for g in rows], [terms[g][2] for g in rows]
-        # each step starts from a trimmed heap (trainer/observe.py): every step's peak is its own; of this
-        # step's samples (one per rank, in rank order) the bounded deque keeps the last maxlen only
-        keep = self.memory_samples.maxlen
-        for rank in range(max(0, n - keep) if keep is not None else 0, n):
-            resident, transient, cls = terms[rows[rank]]
-            self.memory_samples.append((cls, resident, transient, measured[rank]))
+        # each step starts from a trimmed heap (trainer/observe.py): every step's peak is its own. A class
+        # keeps its worst rank of each step (the fit's offset is a maximum: nothing it uses is dropped), in a
+        # record of its own, so that a class left at step 50 is still known at step 900 however many ranks
+        # the classes run between have
+        worst: dict[str, tuple[int, int, int]] = {}
+        peaks_of = np.asarray(measured, dtype=np.int64)
+        for g, (resident, transient, cls) in enumerate(terms):  # ranks of one group share their terms: its highest peak
+            members = peaks_of[group == g]
+            if members.size and (cls not in worst or int(members.max()) - resident - transient > worst[cls][2] - sum(worst[cls][:2])):
+                worst[cls] = (resident, transient, int(members.max()))
+        for cls, sample in worst.items():
+            self.memory_record.setdefault(cls, deque(maxlen=MEMORY_STEPS)).append(sample)
         if self.settings.calibrate:
-            self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
+            self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN)
         return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes}
 
     # ------------------------------------------------------------------ deciding
@@ -394,7 +408,7 @@ class Controller:
         return {"lengths": [list(x) for x in self.lengths], "left": dict(self.left),
                 "reference": dict(self.watch.reference), "last_drift": dict(self.watch.last_drift),
                 "gaps": {k: list(v) for k, v in self.watch.gaps.items()}, "watched": self.watched,
-                "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples],
+                "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples()],
                 "transition_samples": [list(x) for x in self.transition_samples], "transfers": [list(x) for x in self.transfers],
                 "errors": list(self.errors), "stage_errors": {k: list(v) for k, v in self.stage_errors.items()},
                 "prompt_mean": self.prompt_mean, "profile": self.profile.name}
@@ -412,8 +426,9 @@ class Controller:
         if "samples" not in state or state.get("profile") != self.profile.name:
             return
         self.samples.load_state_dict(state["samples"])
-        self.memory_samples.clear()
-        self.memory_samples.extend((str(c), int(r), int(t), int(m)) for c, r, t, m in state["memory_samples"])
+        self.memory_record = {}
+        for c, r, t, m in state["memory_samples"]:  # (a state saved before the record was per class: per rank)
+            self.memory_record.setdefault(str(c), deque(maxlen=MEMORY_STEPS)).append((int(r), int(t), int(m)))
         self.transition_samples = [(float(s), int(n), float(moved)) for s, n, moved in state["transition_samples"]]
         self.transfers.clear()
         self.transfers.extend((str(k), int(n), float(t)) for k, n, t in state.get("transfers", []))
@@ -424,8 +439,8 @@ class Controller:
         if self.settings.calibrate:
             if self.samples.count:
                 self.model = self.model.calibrate_rows(self.samples.matrix())
-            if self.memory_samples:
-                self.memory = fit_memory(list(self.memory_samples), unseen=UNSEEN_MARGIN)
+            if self.memory_record:
+                self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN)
             if self.transfers:
                 self.transitions = self.transitions.with_links(list(self.transfers), self.links)
             if self.transition_samples:
@@ -498,10 +513,10 @@ def _rank_terms(plan: PlanConfig, stages: list) -> tuple[int, int, str]:
     return resident, transient, rank_class((s.stage, configs[s.stage]) for s in stages)
 
 
-def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = 12, unseen: float = 0.25) -> MemoryFit:
+def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY_STEPS, unseen: float = 0.25) -> MemoryFit:
     """The memory model's correction from (class, resident, transient, measured) samples: per
     class of training layouts, ``offset`` = the largest (measured − predicted) of its
-    ``recent`` latest samples — what the model does not count (allocator slack, libraries,
+    ``recent`` latest samples (the controller's: a step's worst rank each) — what the model does not count (allocator slack, libraries,
     communication buffers) — never below 0; ``unseen`` for the classes not run yet. No
     per-term scales: a process's resident memory cannot tell weights from activations."""
     by_class: dict[str, list[float]] = {}

@@ -118,19 +118,37 @@ def test_sample_rows_are_the_calibration_rows_of_the_bounded_samples(maxlen, cou
         assert model.calibrate(list(samples)).coef == model.calibrate_rows(rows.matrix()).coef
 
 
-def test_the_controller_keeps_the_last_memory_samples_of_a_step_as_its_deque_would():
-    from nereus.trainer.controller.online import Controller
+def test_the_controller_keeps_each_classes_worst_rank_per_step_and_forgets_no_class():
+    """Per step and rank class the record keeps the rank whose peak exceeds the model most
+    (the fit's offset is that maximum); a class run once and then left for many steps of
+    many ranks is still known (it was forgotten by a record of the last 400 ranks)."""
+    from nereus.trainer.controller.online import MEMORY_STEPS, Controller, fit_memory
 
     cfg = _job()
     ctl = Controller(cfg, CPU)
-    ctl.memory_samples = deque(maxlen=5)
     peaks = [[100 + 10 * r + s for r in range(cfg.nproc)] for s in range(3)]
     metrics = {"step": 1, "response_length": 10.0, "lengths": {"response_max": 12, "response_mean": 10.0},
                "stages": {k: {"seconds": 0.1, "peak_bytes": p} for k, p in zip(("actor.gen", "actor.train", "critic.train"), peaks)}}
     line = ctl.observe(cfg, metrics)["memory"]
     assert line["measured_bytes"] == [max(p[r] for p in peaks) for r in range(cfg.nproc)]
-    assert [s[3] for s in ctl.memory_samples] == line["measured_bytes"][-5:]
-    assert [s[0] for s in ctl.memory_samples] == line["classes"][-5:]
+    samples = ctl.memory_samples()
+    assert sorted(c for c, *_ in samples) == sorted(set(line["classes"]))  # one per class and step
+    for cls, r, t, m in samples:
+        ranks = [i for i, c in enumerate(line["classes"]) if c == cls]
+        offsets = [line["measured_bytes"][i] - line["predicted_bytes"][i] for i in ranks]  # fit: predicted = r + t
+        assert m - r - t == max(offsets)
+    # 60 steps × 8 ranks of another plan (actor.train recomputing: another class): the first plan's class stays known
+    plan = dataclasses.replace(cfg.plan, actor=dataclasses.replace(cfg.plan.actor, train=dataclasses.replace(cfg.plan.actor.train, recompute="full")))
+    other = dataclasses.replace(cfg, plan=plan)
+    for step in range(2, 62):
+        seen = ctl.observe(other, {**metrics, "step": step})["memory"]["classes"]
+    left = [x for x in samples if x[0] not in seen]
+    assert left and all(x in ctl.memory_samples() for x in left)
+    assert set(fit_memory(ctl.memory_samples()).offsets) == set(seen) | {x[0] for x in left}
+    assert all(len(r) == MEMORY_STEPS for c, r in ctl.memory_record.items() if c in seen)
+    again = Controller(cfg, CPU)  # and a resumed controller has the same record
+    again.load_state(ctl.state_dict())
+    assert again.memory_samples() == ctl.memory_samples()
 
 
 def test_a_search_does_not_depend_on_what_earlier_searches_left_in_the_class_registry(monkeypatch):
