@@ -112,7 +112,7 @@ def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from nereus.launch import launch_local, own_result, under_torchrun
-    from nereus.trainer.loop import run_worker
+    from nereus.trainer.worker import run_worker
 
     check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)
     if under_torchrun():

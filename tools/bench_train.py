@@ -11,7 +11,7 @@ GRPO: actor + reference (k3 KL term, β 0.04, TRL's convention) and a rule rewar
 actor, reference, critic and a reward *model* of the same shape (TRL's PPO trainer needs
 one, so Nereus runs one too), GAE, clipped losses.
 
-Nereus runs through ``nereus train``'s own worker (``trainer.loop.run_worker``, launched
+Nereus runs through ``nereus train``'s own worker (``trainer.worker.run_worker``, launched
 like the CLI) at 1 and 2 local processes (2: every model-stage dp=2), each with its
 threads = cores / processes; the faster counts. TRL runs in its own virtual environment
 (``tools/trl_setup.sh`` makes it: TRL pins its own transformers, which Nereus does not
@@ -138,7 +138,7 @@ def run_nereus(algo: str, nproc: int, warmup: int, steps: int) -> dict:
     """One ``nereus train`` job of warmup + steps steps; the measured steps' figures."""
     from nereus.launch import launch_local
     from nereus.trainer.config import load_config
-    from nereus.trainer.loop import run_worker
+    from nereus.trainer.worker import run_worker
 
     with tempfile.TemporaryDirectory(prefix="nereus-bench-train-") as run_dir:
         cfg = load_config(nereus_config(algo, nproc, warmup + steps, run_dir))

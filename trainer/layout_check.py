@@ -64,7 +64,8 @@ def run_layouts(cfg: JobConfig, plans: Sequence[Sequence[str]], *, steps: int = 
 
 
 def _worker(base: dict, plans: list[tuple[str, ...]], steps: int, tensor_peaks: tuple[str, ...] = ()) -> list[LayoutResult] | None:
-    from .loop import Trainer, join_process_group, worker_device
+    from .loop import Trainer, worker_device
+    from .worker import join_process_group
 
     cfg0 = load_config(base)
     device = worker_device(cfg0)

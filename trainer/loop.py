@@ -1,5 +1,7 @@
-"""The step loop of ``nereus train``: generation → inference → training, every model-stage
-in its own layout, weights moving between layouts through reshard.
+"""The step of ``nereus train`` (``Trainer``): generation → inference → training, every
+model-stage in its own layout, weights moving between layouts through reshard. The loop
+around it — start or restore, metrics, checkpoints, staging, the controller — is
+``trainer/worker.py``.
 
 One step (all ranks, SPMD):
 
@@ -29,22 +31,17 @@ this process's GPU (``cuda:LOCAL_RANK``); on CUDA the process group is gloo for 
 sync, the weight sync's point-to-point). The step's batch stays on CPU; stages move their
 rows to their device and gather results back to CPU (``trainer/stages.py``).
 
-Metrics go to ``RUN_DIR/metrics.jsonl`` and the trackers of ``logging.trackers`` (console
-and TensorBoard by default; ``trainer/trackers.py``) from rank 0; each trained model's LR
-follows its schedule (``trainer/schedule.py``), positioned at its AdamW step; checkpoints every
-``checkpoint_every`` steps through the store, committed atomically, so ``--resume`` restarts
-from the last good step and a failed step (NaN loss) never touches it.
+Each trained model's LR follows its schedule (``trainer/schedule.py``), positioned at its
+AdamW step; ``save`` commits a checkpoint through the store atomically, so ``--resume``
+restarts from the last good step and a failed step (NaN loss) never touches it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -57,16 +54,15 @@ from nereus.reshard.stream import StagingArena
 
 from . import grpo, ppo, schedule
 from .advantages import kl_k1, masked_mean, minibatch_indices
-from .config import ConfigError, JobConfig, config_to_dict, resolve_device
+from .config import JobConfig, config_to_dict, resolve_device
 from .generate import generate
 from .model import ModelArgs
-from .metrics import MetricsLog, peak_memory
-from .observe import StageMeter, release_freed_memory, rss_bytes, trim_heap
+from .metrics import peak_memory
+from .observe import StageMeter, rss_bytes, trim_heap
 from .parallel import init_stage, init_tensor, load_full
 from .stages import (
     ModelStage, backward_minibatch, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values,
 )
-from .rewards import RewardError
 from .sources import Prompts, make_source
 
 KEEP_CHECKPOINTS = 3
@@ -727,271 +723,6 @@ def worker_device(cfg: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def join_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
-    """From the environment: gloo on CPU; on CUDA, this process's GPU made current and one
-    group with gloo for CPU tensors and NCCL for CUDA tensors (``device_id`` forms the NCCL
-    communicator now, on every rank, so that a first point-to-point batch between some ranks
-    does not have to). ``timeout_s`` (``elastic.collective_timeout_s``) is every collective's
-    deadline: a dead peer fails the survivors' collectives, and the agent restarts them."""
-    from .staging import enter_launch
-
-    timeout = timedelta(seconds=timeout_s)
-    where = enter_launch(timeout)  # under an elastic agent: its store, prefixed by this rendezvous round
-    if device.type == "cpu":
-        dist.init_process_group("gloo", timeout=timeout, **where)
-        return
-    torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device, **where)
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (stage timings are wall time); nothing on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = None) -> dict:
-    """One rank of ``nereus train`` (the process group is initialised from the environment).
-
-    With ``resume``, and on every restart by the elastic agent, the state comes back from the
-    newest valid source (``trainer/staging.py``: the staged copy of the last completed step
-    on this node, checked, else the latest durable checkpoint) into ``cfg``'s plan, whatever
-    the plan it was saved in (``trainer/resume.py`` chooses the plan before the launch; on a
-    restart the source's own plan is taken where it runs on this world). With
-    ``controller.enabled`` rank 0 observes every step and decides before the next; an
-    admitted plan is broadcast and every rank moves to it (``Trainer.apply_plan``) before the
-    step's checkpoint, so a checkpoint always holds the plan it was saved in. With staging on
-    (``elastic.staging``) each completed step's state is staged, overlapped with the next
-    step, and the run's staged copies are removed when it finishes. On every start the plan
-    is one for the world there is (``trainer/resume.py: plan_for_start``). ``overwrite`` not
-    None: the launcher left the run dir to the workers (under torchrun, several nodes); a
-    fresh start's rank 0 refuses an earlier run's checkpoints, or deletes them with
-    ``overwrite`` — never a restart. Returns the last step's metrics, or ``{"error":
-    message}`` on every rank when the job stopped on a non-finite loss (the last committed
-    checkpoint is left as it was), the run dir was refused, or no source could be restored.
-    """
-    from .staging import Stager, agree_start, finish_staging, staging_mode
-    from .trackers import flush_trackers
-
-    times = {"entry": time.time()}  # when this attempt's worker started, for tools/bench_elastic.py's recovery split
-    device = worker_device(cfg)
-    join_process_group(device, cfg.elastic.collective_timeout_s)
-    times["joined"] = time.time()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or cfg.nproc  # this node's workers share its cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    torch.manual_seed(cfg.seed)
-    try:
-        start = agree_start(cfg, resume, overwrite)  # fresh: no earlier run's staged copy comes back
-        if start["error"]:
-            return {"error": start["error"]}
-        started = _start(cfg, resume, start, device, times)
-        if "error" in started:
-            return started
-        trainer, first, record = started["trainer"], started["first"], started["record"]
-        cfg = trainer.cfg
-        rank0 = trainer.rank == 0
-        log = MetricsLog(cfg.run_dir, total=cfg.steps, first_step=first, settings=cfg.logging, config=config_to_dict(cfg)) if rank0 else None
-        book = None
-        if rank0:  # the resolved config (``nereus report`` reads the budget from it), and the store's job record
-            with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
-                json.dump(config_to_dict(cfg), f, indent=1)
-            from nereus.store.checkpoint import CheckpointStore
-
-            from .job_record import JobBook
-
-            book = JobBook(CheckpointStore(trainer.checkpoint_root()).meta)
-            book.start(cfg, first, restore_s=(record or {}).get("restore_s", 0.0))
-        staging = staging_mode(cfg)
-        stager = Stager(cfg, trainer.rank, [e for s in trainer._trained() for e in s.emus]) if staging else None
-        if stager is not None and not stager.enabled:
-            stager.close()
-            stager = None
-        control = JobControl(trainer, first, book) if cfg.controller.enabled else None
-        last: dict = {}
-        validate_every = cfg.validation.every
-        finished = False  # the trackers record a run that stopped on an error as failed
-        try:
-            if validate_every and cfg.validation.at_start and first == 0:
-                before = trainer.validate()
-                if log and before:
-                    log.write_validation(0, before)
-            while trainer.step < cfg.steps:
-                metrics = gather_rank_figures(trainer.run_step())
-                if validate_every and (trainer.step % validate_every == 0 or trainer.step == cfg.steps):
-                    metrics.update(trainer.validate())
-                if stager is not None and stager.figures():  # the previous step's staging, whose write overlapped this step
-                    metrics["staging"] = stager.figures()
-                if log:
-                    log.write(metrics)
-                last = metrics
-                if record is not None and rank0:  # the first step after a restore completed
-                    from .staging import log_restore
-
-                    log_restore(cfg.run_dir, {**record, **times, "first_step_done": time.time()})
-                record = None
-                if control is not None:  # the last step is observed too, and decides nothing
-                    control.after_step(metrics, decide=trainer.step < cfg.steps)
-                every = cfg.checkpoint_every
-                durable = (every and trainer.step % every == 0) or trainer.step == cfg.steps
-                staged = stager is not None and trainer.step < cfg.steps  # the last step's state is the final checkpoint
-                if log and (durable or staged):  # the trackers hold this step before a state of it commits
-                    flush_trackers(log.trackers)
-                if durable:
-                    trainer.save()
-                if staged:
-                    trainer.stage(stager)
-            finished = True
-        except FloatingPointError as e:
-            return {"error": f"{e}; stopped, the last committed checkpoint is unchanged"}
-        except RewardError as e:  # raised on every rank together (sources.DatasetSource.rewards)
-            return {"error": f"{e}; stopped, the last committed checkpoint is unchanged"}
-        finally:
-            if stager is not None:
-                stager.close()
-            trainer.source.close()
-            if log:
-                log.close(failed=not finished)
-        if staging and finished:  # the final checkpoint holds the last step: the node's memory is given back
-            finish_staging(cfg)
-        return last
-    finally:
-        dist.destroy_process_group()
-
-
-def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, times: dict) -> dict:
-    """The job's trainer at its first step: built fresh, or restored from the newest valid
-    source (collective), in a plan for the world there is. ``start``: ``agree_start``'s
-    decision. ``{"trainer", "first", "record"}`` (``record``: how it was restored, None when
-    fresh), or ``{"error": message}`` on every rank."""
-    from .resume import plan_for_start
-    from .staging import (DURABLE_REFUSED, agree_sources, launch_round, new_lineage, publish_lineage, rdzv_round, restart_count,
-                          restore_newest)
-
-    durable = os.path.join(cfg.run_dir, "checkpoints")
-    restoring, restart = start["restoring"], start["restart"]
-    sources, reasons = agree_sources(cfg, durable, lineage=start["lineage"]) if restoring else ([], [])
-    if resume and not sources:  # every rank derives the same list
-        return {"error": f"--resume: no committed checkpoint under {durable}" + (f" ({'; '.join(reasons)})" if reasons else "")}
-    if restoring and not sources and any(r.startswith(DURABLE_REFUSED) for r in reasons):  # never silently from step 0
-        return {"error": "no committed state could be restored: " + "; ".join(reasons)}
-    world = dist.get_world_size()
-    decided: list = [None]
-    if dist.get_rank() == 0:  # one rank plans (the controller's search), every rank takes its answer
-        try:
-            decided[0] = plan_for_start(cfg, sources[0].plan if (restart and sources) else None, world)
-        except Exception as e:  # noqa: BLE001 - told to every rank below, never a rank left waiting
-            decided[0] = f"no plan for the {world} ranks there are now: {e if isinstance(e, ConfigError) else f'{type(e).__name__}: {e}'}"
-    dist.broadcast_object_list(decided, src=0)
-    if isinstance(decided[0], str):
-        return {"error": decided[0] if not restart else f"restart {restart_count()}: {decided[0]}"}
-    cfg, how = decided[0]
-    times["planned"] = time.time()
-    try:
-        trainer = Trainer(cfg, device)
-    except (FileNotFoundError, ConfigError) as e:  # every rank sees the same store
-        return {"error": str(e)}
-    times["built"] = time.time()
-    attempt = {"attempt": restart_count(), "round": launch_round(), "rdzv_round": rdzv_round(), "world": cfg.nproc, "plan": how}
-    if not sources:
-        trainer.extra_state["lineage"] = start["lineage"] or _agreed(new_lineage())
-        if trainer.rank == 0:
-            publish_lineage(trainer.extra_state["lineage"])
-        return {"trainer": trainer, "first": 0, "record": {"source": "none", "step": 0, "refused": reasons, "restore_s": 0.0,
-                                                            **attempt} if restoring else None}
-    try:
-        first, record = restore_newest(trainer, sources, reasons)
-    except RuntimeError as e:  # every rank: nothing loads; the job stops (an agent restart would meet the same)
-        return {"error": str(e)}
-    restored = trainer.restored_state
-    trainer.extra_state["lineage"] = restored.get("lineage") or start["lineage"] or _agreed(new_lineage())
-    trainer.extra_state["plan_record"] = restored.get("plan_record")  # advanced at the next record if the plan moved
-    if trainer.rank == 0:
-        publish_lineage(trainer.extra_state["lineage"])
-    times["restored"] = time.time()
-    return {"trainer": trainer, "first": first, "record": {**record, **attempt}}
-
-
-def _agreed(value):
-    """Rank 0's ``value`` on every rank (one object broadcast)."""
-    out = [value]
-    dist.broadcast_object_list(out, src=0)
-    return out[0]
-
-
-class JobControl:
-    """The controller's seam in the step loop, on every rank: rank 0 observes and decides,
-    every rank applies the decision it broadcasts (module docstring of ``controller``)."""
-
-    def __init__(self, trainer: Trainer, first_step: int, book=None) -> None:
-        from .controller.online import Controller
-        from .controller.profiles import load_profile
-
-        self.trainer, self.book = trainer, book  # book: rank 0's ``job_record.JobBook``
-        self.controller = None
-        if trainer.rank == 0:
-            profile = load_profile(trainer.cfg.device_profile)
-
-            def fresh() -> Controller:
-                return Controller(trainer.cfg, profile, run_dir=trainer.cfg.run_dir, first_step=first_step)
-
-            self.controller = fresh()
-            try:
-                self.controller.load_state(trainer.restored_state.get("controller", {}))
-            except Exception as e:  # noqa: BLE001 - a state this version cannot read: re-learned, never a rank that dies alone
-                self.controller = fresh()
-                print(f"nereus: the controller's saved state was not restored ({type(e).__name__}: {e}); it starts afresh",
-                      file=sys.stderr, flush=True)
-        trainer.extra_state["controller"] = {}
-        if self.controller is not None:  # taken when a checkpoint or a staged copy is written, not every step (~1 MB of JSON)
-            trainer.state_providers["controller"] = lambda: self.controller.state_dict()
-
-    def after_step(self, metrics: dict, *, decide: bool = True) -> None:
-        trainer, decision = self.trainer, None
-        messages = list(trainer.messages)  # the step's weight syncs' and the last transition's, on every rank
-        trainer.messages.clear()
-        if self.controller is not None:
-            try:
-                self.controller.observe_transfers(messages)
-                self.controller.observe(trainer.cfg, metrics)
-                decision = self.controller.decide(trainer.cfg, metrics) if decide else None
-            except Exception as e:  # noqa: BLE001 - a controller failure never stops the job: the plan stays
-                self.controller.failed(int(metrics["step"]), e)
-        if not decide:  # every rank knows: no broadcast
-            return
-        message = [decision.new_plan if decision is not None and decision.admitted else None]
-        dist.broadcast_object_list(message, src=0)
-        if message[0] is not None:
-            from .config import PlanConfig, _build
-
-            from nereus.reshard.errors import TransitionTimeout
-
-            try:
-                done = trainer.apply_plan(_build(PlanConfig, message[0], "plan."), verify=trainer.cfg.controller.verify)
-            except TransitionTimeout as e:  # the group may hold pending ops: no collective on it again
-                raise RuntimeError(
-                    f"plan transition at step {metrics['step']} timed out: {e}. The process group cannot be reused: restart "
-                    "the workers (torchrun restarts them; nereus train --resume continues from the last checkpoint)"
-                ) from e
-            except Exception as e:  # noqa: BLE001 - the old plan keeps running (apply_plan is all or nothing)
-                done = {"error": f"{type(e).__name__}: {e}"}
-            # every rank runs this, failed or not: (failed, committed, peak) over the world
-            agreed = torch.tensor([float("error" in done), float("error" not in done), float(done.get("peak_bytes", 0))])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            if agreed[0].item() and agreed[1].item():
-                raise RuntimeError(
-                    f"plan transition at step {metrics['step']} committed on some ranks and failed on others "
-                    f"({done.get('error', 'this rank committed')}): the job stops; --resume restarts from the last checkpoint"
-                )
-            if "error" not in done:
-                done["peak_bytes"] = int(agreed[2].item())  # the most any rank held while both layouts lived
-            release_freed_memory(trainer.device)
-            if self.controller is not None:
-                self.controller.transitioned(decision, done)
-            if self.book is not None and "error" not in done:
-                self.book.transitioned(trainer.cfg, int(metrics["step"]), predicted_s=decision.transition_seconds,
-                                       measured_s=done["seconds"], nbytes=done["bytes"])
-
-
 MESSAGES = 64
 """The most measured messages one reshard hands the controller (evenly spread over its own)."""
 
@@ -1004,31 +735,3 @@ def measured_messages(result) -> list[tuple[int, int, int, float]]:
     samples = [m for m in (stats.samples if stats is not None else ()) if not m.coalesced]
     every = max(1, -(-len(samples) // MESSAGES))
     return [(m.src, m.dst, m.nbytes, m.seconds) for m in samples[::every]]
-
-
-WAITING_PIECES = ("train.check", "advantages")
-"""Pieces every rank runs, ending in a world collective: ranks that finished their model-stages
-early wait in them, so the rank that waited least gives their own cost (``min``)."""
-
-
-def gather_rank_figures(metrics: dict) -> dict:
-    """``metrics`` with every rank's figures, as lists indexed by rank: the process's peak
-    memory (``peak_memory_bytes``, and ``peak_device_memory_bytes`` on CUDA), and each measured
-    piece's peak bytes and seconds (``stages[name]["peak_bytes"]``, ``["rank_seconds"]``; its
-    ``seconds`` become the slowest rank's: a stage takes as long as its slowest member, and
-    ranks outside it wait for it in the next collective — except ``WAITING_PIECES``, which
-    take the least). One object collective on every rank."""
-    keys = [k for k in ("peak_memory_bytes", "peak_device_memory_bytes") if k in metrics]
-    stages = metrics["stages"]
-    mine = ({k: metrics[k] for k in keys}, {name: (r["peak_bytes"], r["seconds"]) for name, r in stages.items()})
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    metrics = {**metrics, **{k: [o[0][k] for o in out] for k in keys}}
-    pick = {name: min if name in WAITING_PIECES else max for name in stages}
-    metrics["stages"] = {
-        name: {**r, "seconds": pick[name](o[1].get(name, (0, 0.0))[1] for o in out),  # the slowest rank: the stage's time
-               "rank_seconds": [o[1].get(name, (0, 0.0))[1] for o in out],
-               "peak_bytes": [o[1].get(name, (0, 0.0))[0] for o in out]}
-        for name, r in stages.items()
-    }
-    return metrics
