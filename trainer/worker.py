@@ -29,7 +29,7 @@ def join_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
     communicator now, on every rank, so that a first point-to-point batch between some ranks
     does not have to). ``timeout_s`` (``elastic.collective_timeout_s``) is every collective's
     deadline: a dead peer fails the survivors' collectives, and the agent restarts them."""
-    from .staging import enter_launch
+    from .rounds import enter_launch
 
     timeout = timedelta(seconds=timeout_s)
     where = enter_launch(timeout)  # under an elastic agent: its store, prefixed by this rendezvous round
@@ -154,8 +154,8 @@ def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, time
     decision. ``{"trainer", "first", "record"}`` (``record``: how it was restored, None when
     fresh), or ``{"error": message}`` on every rank."""
     from .resume import plan_for_start
-    from .staging import (DURABLE_REFUSED, agree_sources, launch_round, new_lineage, publish_lineage, rdzv_round, restart_count,
-                          restore_newest)
+    from .rounds import launch_round, new_lineage, publish_lineage, rdzv_round, restart_count
+    from .staging import DURABLE_REFUSED, agree_sources, restore_newest
 
     durable = os.path.join(cfg.run_dir, "checkpoints")
     restoring, restart = start["restoring"], start["restart"]

@@ -881,7 +881,7 @@ def test_a_restart_is_told_from_a_fresh_start_by_the_launchs_store():
 
     import torch.distributed as dist
 
-    from nereus.trainer.staging import ROUND_KEY, decide_restart, join_round
+    from nereus.trainer.rounds import ROUND_KEY, decide_restart, join_round
 
     def round_of(store_port, world, stale=None):
         got, errors = {}, []
@@ -915,7 +915,7 @@ def test_a_restart_is_told_from_a_fresh_start_by_the_launchs_store():
 
 def test_the_agents_rendezvous_round_counts_only_under_its_own_launch(monkeypatch):
     from nereus.launch import RDZV_ROUND_ENV
-    from nereus.trainer.staging import rdzv_round
+    from nereus.trainer.rounds import rdzv_round
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
     for value, want in (("job-a:3", 3), ("job-a:0", 0), ("job-b:3", None), ("3", None), ("job-a:x", None)):
