@@ -10,7 +10,8 @@ Triggers, checked before every step:
   replan. Signals: the mean and the longest response length, and each model-stage's share
   of the measured step time. After every replan, admitted or not, the references reset —
   before the replan is priced, so that a decision that raises does not fire again on the
-  next step nor count a one-step gap; on the first measured step of a new plan the shares
+  next step nor count a one-step gap (the drift it saw is then absorbed: the failure is
+  logged by ``Controller.failed``, and the next drift from the new references fires); on the first measured step of a new plan the shares
   rebase (``DriftWatch.rebase``: the move itself changed them, which is no drift of the
   work, and would otherwise trigger the next decision and shorten H with a one-step gap);
 - ``first``: the first step observed (``Controller``): the running plan was planned before
@@ -36,7 +37,11 @@ change carry it, combined as if independent. Per stage, not the whole step's: th
 errors partly cancel in the step's total, which understates the error of any one stage
 that changes (simulated at 1,024 MI250X: the step's mean error ~2%, a stage's RMS 3-5%);
 the 5% floor stands for what no measurement of the running layout shows, the model's bias
-on the new one. That is an estimate, not a bound: a calibration off in opposite directions on
+on the new one. ``band_k`` is the RMS of the signed errors, a steady bias included, charged on
+both predictions as if independent: a bias that the calibration (per operation class, shared by
+every layout) leaves on the running layout is structure the model lacks for that layout, and
+says nothing of its sign on another one. Where it is shared it cancels in ΔL, and σ is then
+conservative (a move of a stage predicted 30% low is charged 30% of both sides). That is an estimate, not a bound: a calibration off in opposite directions on
 two operation classes makes the old and the new prediction err in opposite directions, and
 their difference then errs by more.
 Why σ is charged on every step of the horizon (not √h): what the model gets wrong about a
@@ -106,9 +111,14 @@ class DriftWatch:
     def reset(self, signals: dict[str, float]) -> None:
         self.reference = dict(signals)
 
-    def rebase(self, signals: dict[str, float], step: int) -> None:
-        """Take ``signals`` as the references without a drift (no trigger, no gap): what a
-        change of plan itself moved. A signal seen for the first time starts its first gap."""
+    def rebase(self, signals: dict[str, float], step: int, *, prefix: str = "share:") -> None:
+        """Take ``signals`` (the ``prefix`` ones) as the references without a drift (no
+        trigger, no gap): what a change of plan itself moved. A reference of ``prefix`` that
+        ``signals`` lacks goes (as ``reset`` drops it): it was the old plan's, and a later
+        value is compared with nothing the new plan measured. A signal seen for the first
+        time starts its first gap."""
+        for name in [k for k in self.reference if k.startswith(prefix) and k not in signals]:
+            del self.reference[name]
         for name, value in signals.items():
             self.reference[name] = value
             self.last_drift.setdefault(name, step)

@@ -516,9 +516,13 @@ def _rank_terms(plan: PlanConfig, stages: list) -> tuple[int, int, str]:
 def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY_STEPS, unseen: float = 0.25) -> MemoryFit:
     """The memory model's correction from (class, resident, transient, measured) samples: per
     class of training layouts, ``offset`` = the largest (measured − predicted) of its
-    ``recent`` latest samples (the controller's: a step's worst rank each) — what the model does not count (allocator slack, libraries,
-    communication buffers) — never below 0; ``unseen`` for the classes not run yet. No
-    per-term scales: a process's resident memory cannot tell weights from activations."""
+    ``recent`` latest samples (the controller's: a step's worst rank each) — what the model
+    does not count (allocator slack, libraries, communication buffers) — never below 0;
+    ``unseen`` for the classes not run yet. No per-term scales: a process's resident memory
+    cannot tell weights from activations. A class left long ago keeps its offset: what it
+    stands for does not grow with the lengths (the model counts the activations at the
+    width priced), and a part of it that does (an allocator's slack on larger blocks) is
+    what the search's 10% headroom is for."""
     by_class: dict[str, list[float]] = {}
     for cls, r, t, m in samples:
         by_class.setdefault(cls, []).append(float(m - r - t))

@@ -108,17 +108,21 @@ def test_the_band_of_a_stage_is_its_own_error_not_the_steps():
     cfg = tiny("controller.calibrate=false")  # the priors' predictions, the same every step
     probe = Controller(cfg, CPU)
     predicted = {k: v["predicted_s"] for k, v in probe.observe(cfg, metrics(1, SECONDS))["pieces"].items()}
-    up = 0.3 * predicted["actor.train"]  # measured 30% above: the model 30% low on it
-    rest = predicted["actor.gen"] + predicted["ref.infer"] + predicted["sync.actor.gen"]
-    measured = {"actor.train": predicted["actor.train"] * 1.3,
-                **{k: predicted[k] * (1 - up / rest) for k in ("actor.gen", "ref.infer", "sync.actor.gen")}}
+    up = 0.3 * predicted["actor.train"] + predicted["sync.actor.gen"]  # actor.train 30% above, its sync twice the prediction
+    rest = predicted["actor.gen"] + predicted["ref.infer"]
+    measured = {"actor.train": predicted["actor.train"] * 1.3, "sync.actor.gen": predicted["sync.actor.gen"] * 2,
+                **{k: predicted[k] * (1 - up / rest) for k in ("actor.gen", "ref.infer")}}
     ctl = Controller(cfg, CPU)
     for step in range(1, 6):
         ctl.observe(cfg, metrics(step, measured))
     assert ctl.band == MIN_BAND  # the step's error: ~0
     bands = ctl.bands
+    assert set(bands) == {"actor.gen", "actor.train", "ref.infer"}  # the weight sync is its stage's, as search sums it
     assert bands["actor.train"] == pytest.approx(0.3 / 1.3, rel=1e-6)  # |p − m| / m
     assert bands["ref.infer"] == pytest.approx(max(MIN_BAND, (up / rest) / (1 - up / rest)), rel=1e-6)
+    gen_p = predicted["actor.gen"] + predicted["sync.actor.gen"]
+    gen_m = measured["actor.gen"] + measured["sync.actor.gen"]
+    assert bands["actor.gen"] == pytest.approx(max(MIN_BAND, abs(gen_p - gen_m) / gen_m), rel=1e-6)
     old, new = {"actor.train": 10.0, "actor.gen": 5.0}, {"actor.train": 8.0, "actor.gen": 5.0}
     assert difference_spread(old, new, ctl.band, bands=bands) == pytest.approx(bands["actor.train"] * (100 + 64) ** 0.5)
     assert difference_spread(old, new, ctl.band, bands=bands) > 4 * difference_spread(old, new, ctl.band)
@@ -129,3 +133,41 @@ def test_the_band_of_a_stage_is_its_own_error_not_the_steps():
     again.load_state(ctl.state_dict())
     assert again.bands == bands
 
+
+
+def test_a_decision_charges_each_changed_stage_its_own_band(monkeypatch):
+    """``decide`` hands admission the controller's per-stage bands (``difference_spread``'s
+    ``bands``), measured on this job."""
+    cfg = tiny()
+    ctl = Controller(cfg, CPU)
+    ctl.observe(cfg, metrics(1, SECONDS))
+    seen = []
+
+    def spread(*args, **kwargs):
+        seen.append(kwargs.get("bands"))
+        return difference_spread(*args, **kwargs)
+
+    monkeypatch.setattr(online, "difference_spread", spread)
+    d = ctl.decide(cfg, metrics(1, SECONDS))
+    assert d is not None and d.new_plan is not None and d.new_plan != d.old_plan, d
+    assert seen == [ctl.bands] and set(seen[0]) == {"actor.gen", "actor.train", "ref.infer"}
+
+
+def test_a_share_that_falls_below_the_watch_on_a_new_plan_loses_its_old_reference():
+    """ref.infer is watched on the old plan (11% of the step); on the new plan's first step it
+    is under 10% and not watched: the old plan's reference goes (``reset`` drops it too), and
+    when it is watched again its reference is what the new plan measures."""
+    cfg = tiny()
+    ctl = Controller(cfg, CPU)
+    ctl.observe(cfg, metrics(1, SECONDS))
+    ctl.decide(cfg, metrics(1, SECONDS))
+    assert "share:ref.infer" in ctl.watch.reference
+    cfg = dataclasses.replace(cfg, plan=other_plan(cfg))
+    low = {**SECONDS, "ref.infer": 0.04}
+    ctl.observe(cfg, metrics(2, low))
+    assert ctl.decide(cfg, metrics(2, low)) is None
+    assert "share:ref.infer" not in ctl.watch.reference
+    back = {**SECONDS, "ref.infer": 0.13}
+    ctl.observe(cfg, metrics(3, back))
+    ctl.decide(cfg, metrics(3, back))
+    assert ctl.watch.reference["share:ref.infer"] == pytest.approx(0.13 / sum(back.values()))

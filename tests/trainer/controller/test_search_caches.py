@@ -124,13 +124,23 @@ def test_the_controller_keeps_each_classes_worst_rank_per_step_and_forgets_no_cl
     many ranks is still known (it was forgotten by a record of the last 400 ranks)."""
     from nereus.trainer.controller.online import MEMORY_STEPS, Controller, fit_memory
 
-    cfg = _job()
+    cfg = _job()  # actor.train in two pipeline stages: one class, two groups of ranks that hold unlike
+    sc = cfg.plan.actor.train
+    cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, actor=dataclasses.replace(cfg.plan.actor, train=dataclasses.replace(sc, dp=sc.dp // 2, pp=2))))
     ctl = Controller(cfg, CPU)
-    peaks = [[100 + 10 * r + s for r in range(cfg.nproc)] for s in range(3)]
-    metrics = {"step": 1, "response_length": 10.0, "lengths": {"response_max": 12, "response_mean": 10.0},
-               "stages": {k: {"seconds": 0.1, "peak_bytes": p} for k, p in zip(("actor.gen", "actor.train", "critic.train"), peaks)}}
+    base = {"step": 1, "response_length": 10.0, "lengths": {"response_max": 12, "response_mean": 10.0}}
+    zero = [0] * cfg.nproc
+    model = Controller(cfg, CPU).observe(cfg, {**base, "stages": {k: {"seconds": 0.1, "peak_bytes": zero} for k in ("actor.gen", "actor.train", "critic.train")}})["memory"]
+    classes, predicted = model["classes"], model["predicted_bytes"]
+    spans = {c: {predicted[r] for r in range(cfg.nproc) if classes[r] == c} for c in set(classes)}
+    assert max(map(len, spans.values())) > 1  # a class whose ranks are predicted unlike
+    # every rank over the model by its own amount, the largest on the class's first rank: neither the first
+    # nor the last group (nor the least) of a class gives the fit's offset unless it is the largest
+    over = [(1 << 20) * (3 + (r * 5) % 7) for r in range(cfg.nproc)]
+    peaks = [[p + o for p, o in zip(predicted, over)], zero, zero]
+    metrics = {**base, "stages": {k: {"seconds": 0.1, "peak_bytes": p} for k, p in zip(("actor.gen", "actor.train", "critic.train"), peaks)}}
     line = ctl.observe(cfg, metrics)["memory"]
-    assert line["measured_bytes"] == [max(p[r] for p in peaks) for r in range(cfg.nproc)]
+    assert line["measured_bytes"] == peaks[0] and line["predicted_bytes"] == predicted
     samples = ctl.memory_samples()
     assert sorted(c for c, *_ in samples) == sorted(set(line["classes"]))  # one per class and step
     for cls, r, t, m in samples:
