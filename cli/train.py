@@ -64,7 +64,7 @@ def train(
     # One launch on one node: its run dir is checked here, once, before any worker. Under
     # torchrun (each worker process runs this, also after every restart) and on several nodes
     # (each node's launcher runs this, also one joining later) only the workers can tell a
-    # fresh start from a restart: global rank 0 of a fresh start checks it (rounds.py, staging.agree_start).
+    # fresh start from a restart: global rank 0 of a fresh start checks it (trainer/rounds.py, agree_start).
     if under_torchrun() or parse_nnodes(nnodes)[1] > 1:
         run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                 overwrite=overwrite)

@@ -333,7 +333,8 @@ class Trainer:
     def _stage_records(self, batch: dict, seconds: dict[str, float], peaks: dict[str, int]) -> dict[str, dict]:
         """Per measured piece: seconds (this rank's), rows and tokens it processed (padded:
         ``tokens``; ``real_tokens`` without the padding, what a packed stage computes on), and
-        this rank's measured peak bytes (``peak_bytes``; gathered over ranks by ``run_worker``)."""
+        this rank's measured peak bytes (``peak_bytes``; gathered over ranks by
+        ``trainer/worker.py``'s ``gather_rank_figures``)."""
         rows, width = batch["input_ids"].shape
         real = int(batch["attention_mask"].sum())
         hp = self.cfg.ppo if self.cfg.algorithm == "ppo" else self.cfg.grpo

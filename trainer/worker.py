@@ -1,9 +1,11 @@
 """One rank of ``nereus train``: it joins the process group, starts the trainer fresh or
 restores it from the newest valid source in a plan for the world there is, and runs the
-step loop — metrics to every tracker from rank 0, durable checkpoints every
-``checkpoint_every`` steps, the per-step staged copy (``trainer/staging.py``) and the
-controller's seam (``JobControl``: rank 0 observes and decides, every rank applies the
-broadcast decision). The step itself is ``trainer/loop.py``'s ``Trainer``."""
+step loop — metrics to ``RUN_DIR/metrics.jsonl`` and the trackers of ``logging.trackers``
+(console and TensorBoard by default; ``trainer/trackers.py``) from rank 0, durable
+checkpoints every ``checkpoint_every`` steps, the per-step staged copy
+(``trainer/staging.py``) and the controller's seam (``JobControl``: rank 0 observes and
+decides, every rank applies the broadcast decision). The step itself is
+``trainer/loop.py``'s ``Trainer``."""
 
 from __future__ import annotations
 
