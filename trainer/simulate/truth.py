@@ -35,6 +35,7 @@ from ..config import JobConfig, PlanConfig, StageConfig, config_to_dict
 from ..controller.candidates import kept_of
 from ..controller.memory import GIB, distinct_ranks, rank_peak
 from ..controller.search import SYNCED, MemoryFit
+from ..controller.online import piece_stage
 from ..controller.steptime import OP_CLASSES, Placement, StepTimeModel, candidate_features, candidate_sync_features
 from ..controller.transition import profile_links
 from ..controller.transition import TransitionModel
@@ -107,7 +108,7 @@ class Truth:
         for i, cfg in enumerate(cfgs):
             stages = cfg.plan.stages()
             for name in pieces(cfg):
-                key = name[len("sync."):] if name.startswith("sync.") else name.removesuffix(".infer") if name.endswith(".train.infer") else name
+                key = piece_stage(name, stages)
                 sc = stages[key]
                 groups.setdefault((name, key, cfg.nproc, len(sc.ranks) if sc.ranks is not None else cfg.nproc), []).append((i, sc))
         for (name, key, nproc, _), members in groups.items():
