@@ -13,7 +13,7 @@ def report(
 ) -> None:
     """Write RUN_DIR/report/: PNG plots (reward and KL, seconds per model-stage, the plan
     timeline, predicted vs measured step and transition times, memory per rank) and report.md."""
-    from nereus.trainer.report import make_report
+    from nereus.trainer.metrics.report import make_report
 
     try:
         path = make_report(run_dir, budget_gib=budget)

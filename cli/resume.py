@@ -21,7 +21,7 @@ def resume(
     for them (or the one --set plan... gives); the state loads into the new layouts."""
     from nereus.cli.train import check_launch, preflight, run_job
     from nereus.trainer.config import ConfigError
-    from nereus.trainer.resume import resume_config
+    from nereus.trainer.elastic.resume import resume_config
 
     check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)
 

@@ -52,7 +52,7 @@ def train(
     from nereus.launch import parse_nnodes, under_torchrun
 
     if resume:
-        from nereus.trainer.resume import resumed_plan
+        from nereus.trainer.elastic.resume import resumed_plan
 
         try:
             cfg = resumed_plan(cfg)  # the plan the job was in when it saved (a controller may have moved it)
@@ -64,7 +64,7 @@ def train(
     # One launch on one node: its run dir is checked here, once, before any worker. Under
     # torchrun (each worker process runs this, also after every restart) and on several nodes
     # (each node's launcher runs this, also one joining later) only the workers can tell a
-    # fresh start from a restart: global rank 0 of a fresh start checks it (trainer/rounds.py, agree_start).
+    # fresh start from a restart: global rank 0 of a fresh start checks it (trainer/elastic/lineage.py, agree_start).
     if under_torchrun() or parse_nnodes(nnodes)[1] > 1:
         run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                 overwrite=overwrite)
@@ -78,11 +78,11 @@ def preflight(cfg) -> None:
     line): the device, the trackers' packages, model directories, data files, tokenizer and
     reward function."""
     from nereus.trainer.config import ConfigError, resolve_device
-    from nereus.trainer.rewards import RewardError
-    from nereus.trainer.sources import check_inputs
-    from nereus.trainer.trackers import check_trackers
+    from nereus.trainer.data.rewards import RewardError
+    from nereus.trainer.data.prompts import check_inputs
+    from nereus.trainer.metrics.trackers import check_trackers
 
-    from nereus.trainer.staging import node_staging_dir
+    from nereus.trainer.elastic.staging import node_staging_dir
 
     try:
         node_staging_dir()  # NEREUS_STAGING_DIR, this node's own staging path
@@ -112,7 +112,7 @@ def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from nereus.launch import launch_local, own_result, under_torchrun
-    from nereus.trainer.worker import run_worker
+    from nereus.trainer.runtime.worker import run_worker
 
     check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)
     if under_torchrun():
@@ -161,9 +161,9 @@ def check_launch(nnodes: str, max_restarts: int, rdzv_endpoint: str | None, rdzv
 def _fresh_run_dir(run_dir: str, overwrite: bool) -> None:
     """A fresh run must not share its run dir with an earlier run's checkpoints: a later
     ``--resume`` would pick the newest of either. Refuse (exit 2), or with ``--overwrite``
-    delete them (``trainer/staging.py: fresh_run_dir``). Only a one-node launch's own
+    delete them (``trainer/elastic/staging.py: fresh_run_dir``). Only a one-node launch's own
     launcher calls it, once, before any worker starts."""
-    from nereus.trainer.staging import fresh_run_dir
+    from nereus.trainer.elastic.staging import fresh_run_dir
 
     error = fresh_run_dir(run_dir, overwrite)
     if error:

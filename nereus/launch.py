@@ -5,7 +5,7 @@ launcher (the API behind ``torchrun``): spawn start method (tensorstore aborts i
 children), c10d rendezvous (on a free loopback port, or ``--rdzv-endpoint`` for several
 nodes). With ``max_restarts`` > 0 the agent restarts every worker when one dies (and
 re-forms the group when nodes join or leave, between ``MIN:MAX`` nodes); the workers then
-restore the newest valid state (``trainer/staging.py``). Under an existing ``torchrun``
+restore the newest valid state (``trainer/elastic/staging.py``). Under an existing ``torchrun``
 (``RANK``/``WORLD_SIZE`` already set, multi-node) the caller runs the worker function in
 its own process instead: torchrun's own agent restarts it.
 

@@ -118,7 +118,7 @@ def time_decisions(n: int, repeats: int = 5) -> dict:
 def run_job(cfg) -> list[dict]:
     """One ``nereus train`` job (the CLI's worker, in-process launch); its metrics lines."""
     from nereus.launch import launch_local
-    from nereus.trainer.worker import run_worker
+    from nereus.trainer.runtime.worker import run_worker
 
     last = launch_local(run_worker, cfg.nproc, cfg, False, run_id=f"bench-controller-{uuid.uuid4().hex[:8]}")[0]
     if "error" in last:

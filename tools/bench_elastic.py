@@ -166,8 +166,8 @@ def _time_restores(staged_root: str, durable_root: str, config_path: str, repeat
     import torch.distributed as dist
 
     from nereus.trainer.config import load_config
-    from nereus.trainer.loop import Trainer
-    from nereus.trainer.worker import join_process_group
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.runtime.worker import join_process_group
 
     import torch
 

@@ -37,7 +37,7 @@ AdamW moments also measure layout invariance in float32 (``layout_invariance_max
 the largest per-tensor max|Δθ| / max|θ| against the first layout;
 ``layout_invariance_moments_rel_err`` the same for AdamW's m and v, the gradient's images);
 the same matrix in float64 in one more launch gives ``layout_invariance_fp64_rel_err``,
-the layout's own effect once float32 rounding is out of the way (trainer/layout_check.py).
+the layout's own effect once float32 rounding is out of the way (trainer/runtime/layout_check.py).
 
 The recompute rows (``run_recompute_rows``) run the default job and a longer-response
 variant (fixed 96-token responses, the 4-layer 256-wide decoder) with ``recompute`` none,
@@ -138,7 +138,7 @@ def run_nereus(algo: str, nproc: int, warmup: int, steps: int) -> dict:
     """One ``nereus train`` job of warmup + steps steps; the measured steps' figures."""
     from nereus.launch import launch_local
     from nereus.trainer.config import load_config
-    from nereus.trainer.worker import run_worker
+    from nereus.trainer.runtime.worker import run_worker
 
     with tempfile.TemporaryDirectory(prefix="nereus-bench-train-") as run_dir:
         cfg = load_config(nereus_config(algo, nproc, warmup + steps, run_dir))
@@ -261,7 +261,7 @@ def run_layout_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
     import numpy as np
 
     from nereus.trainer.config import load_config
-    from nereus.trainer.layout_check import compare, run_layouts, state_kind
+    from nereus.trainer.runtime.layout_check import compare, run_layouts, state_kind
 
     rows, results = [], []
     with tempfile.TemporaryDirectory(prefix="nereus-bench-layouts-") as run_dir:
@@ -321,7 +321,7 @@ def run_recompute_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
     backward allocate beyond what was alive before (``StageMeter(tensors=...)``, second step;
     the highest rank)."""
     from nereus.trainer.config import load_config
-    from nereus.trainer.layout_check import run_layouts
+    from nereus.trainer.runtime.layout_check import run_layouts
 
     rows, figures = [], {}
     with tempfile.TemporaryDirectory(prefix="nereus-bench-recompute-") as run_dir:
@@ -352,7 +352,7 @@ def run_packing_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
     training and inference stage): median step seconds and the inference and training
     seconds, the stages packing changes (generation is the same in both)."""
     from nereus.trainer.config import load_config
-    from nereus.trainer.layout_check import compare, run_layouts
+    from nereus.trainer.runtime.layout_check import compare, run_layouts
 
     with tempfile.TemporaryDirectory(prefix="nereus-bench-packing-") as run_dir:
         cfg = load_config(TINY_PPO, [f"run_dir={run_dir}", "checkpoint_every=0", *VARIED])
@@ -479,7 +479,7 @@ def main() -> int:
         print()
         print(layout_table(layouts))
         print("layout invariance after one step of the default job: parameters "
-              f"{headline['layout_invariance_max_rel_err']:.1e} (float32; Adam's ε band, see trainer/layout_check.py), "
+              f"{headline['layout_invariance_max_rel_err']:.1e} (float32; Adam's ε band, see trainer/runtime/layout_check.py), "
               f"AdamW moments {headline['layout_invariance_moments_rel_err']:.1e}, metrics {headline['layout_invariance_metrics_err']:.1e}, "
               f"everything in float64 {headline['layout_invariance_fp64_rel_err']:.1e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -88,7 +88,7 @@ install_nereus() {
 }
 export -f install_nereus
 step install 180 install.log install_nereus
-step probe 60 install.log "$PY" -c "import torch, nereus, nereus.trainer.loop; print('nereus from', nereus.__file__); print('torch', torch.__version__, 'cuda', torch.version.cuda); assert '$DEVICE' == 'cpu' or torch.cuda.is_available(), 'no CUDA'"
+step probe 60 install.log "$PY" -c "import torch, nereus, nereus.trainer.runtime.step; print('nereus from', nereus.__file__); print('torch', torch.__version__, 'cuda', torch.version.cuda); assert '$DEVICE' == 'cpu' or torch.cuda.is_available(), 'no CUDA'"
 
 # ------------------------------------------------------------------ trainer on CUDA, one process
 ONE_PROCESS_PPO=(nproc=1 plan.actor.train.dp=1 plan.actor.train.tp=1 plan.actor.gen.dp=1 plan.critic.train.dp=1

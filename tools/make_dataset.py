@@ -8,7 +8,7 @@ Nothing is downloaded; the same arguments write the same files. ``DIR`` gets:
   one row per prompt: ``data_source`` ("nereus/repeat"), ``prompt`` (chat messages:
   ``[{"role": "user", "content": "572"}]``), ``ability`` ("copy"), ``reward_model``
   (``{"ground_truth": "555", "style": "rule"}``), ``extra_info`` (``{"split", "index"}``).
-  The task is the toy ``repeat`` of ``trainer/tasks.py`` over text: the answer is the
+  The task is the toy ``repeat`` of ``trainer/data/tasks.py`` over text: the answer is the
   first of the prompt's 3 digits repeated 3 times. Validation prompts are a seeded set
   of distinct digit strings that no training row uses (``--val`` <= 500); training rows
   are drawn uniformly, with replacement, from the other strings.

@@ -43,7 +43,7 @@ for pin in sys.argv[1:]:
 for stray in ("torchvision", "torchaudio", "torchcodec"):
     if importlib.util.find_spec(stray) is not None:
         sys.exit(1)
-for module in ("nereus.trainer.vllm_engine", "transformers", "pytest"):
+for module in ("nereus.trainer.rollout.vllm_engine", "transformers", "pytest"):
     if importlib.util.find_spec(module.split(".")[0]) is None:
         sys.exit(1)
 PY

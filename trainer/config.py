@@ -33,10 +33,10 @@ from typing import Any, Literal
 
 import yaml
 
-from ..reshard.derive import DecoderSpec, check_tp, plan_layer_ranges
-from ..reshard.errors import LayoutError
-from ..reshard.layout import ParallelConfig
-from .tasks import Task, make_task
+from nereus.reshard.derive import DecoderSpec, check_tp, plan_layer_ranges
+from nereus.reshard.errors import LayoutError
+from nereus.reshard.layout import ParallelConfig
+from .data.tasks import Task, make_task
 
 
 class ConfigError(ValueError):
@@ -83,16 +83,16 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TaskConfig:
-    name: Literal["repeat", "count"] = "repeat"  # see trainer/tasks.py
+    name: Literal["repeat", "count"] = "repeat"  # see trainer/data/tasks.py
     digits: int = 3  # digits in the prompt
     response_len: int = 6  # answer digits before <eos>
     grow_to: int | None = None  # a length curriculum: the answer grows to this many digits ...
-    grow_steps: int = 0  # ... linearly over this many steps (trainer/tasks.py task_at_step)
+    grow_steps: int = 0  # ... linearly over this many steps (trainer/data/tasks.py task_at_step)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
-    """A prompt dataset (``trainer/data.py``): verl's parquet schema as it is, or a plain one.
+    """A prompt dataset (``trainer/data/datasets.py``): verl's parquet schema as it is, or a plain one.
 
     verl's rows: ``data_source``, ``prompt`` (chat messages), ``reward_model.ground_truth``,
     ``extra_info``. Plain rows: ``prompt_key`` (text or messages) and ``answer_key``."""
@@ -113,7 +113,7 @@ class TokenizerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
-    """Rule rewards of a dataset job (``trainer/rewards.py``); a ``reward_model`` replaces them."""
+    """Rule rewards of a dataset job (``trainer/data/rewards.py``); a ``reward_model`` replaces them."""
 
     function: str | None = None  # "path/to/file.py:compute_score" or "module:function", verl's signature
     builtin: Literal["auto", "gsm8k", "math"] = "auto"  # without function; auto: by each row's data_source
@@ -140,7 +140,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     ignore_eos: bool = False  # keep sampling past <eos> (vLLM's SamplingParams.ignore_eos): fixed-length rollouts
-    engine: Literal["builtin", "vllm"] = "builtin"  # vllm: trainer/vllm_engine.py, needs plan.actor.gen.fused
+    engine: Literal["builtin", "vllm"] = "builtin"  # vllm: trainer/rollout/vllm_engine.py, needs plan.actor.gen.fused
     gpu_memory_utilization: float = 0.5  # vllm only: its share of each GPU (weights + KV cache), as vLLM's LLM(...)
 
 
@@ -152,7 +152,7 @@ class LRScheduleConfig:
     """One optimizer's learning rate over the run, counted in optimizer steps (the trainer
     takes epochs × mini-batches of them per RL step): a linear warmup, then constant, linear
     or cosine decay to ``min_lr_ratio`` × lr at the run's last optimizer step
-    (``trainer/schedule.py``). verl's ``lr_warmup_steps`` / ``lr_warmup_steps_ratio`` /
+    (``trainer/runtime/lr_schedule.py``). verl's ``lr_warmup_steps`` / ``lr_warmup_steps_ratio`` /
     ``lr_scheduler_type`` / ``min_lr_ratio``, torchtitan's ``lr_scheduler``; verl counts its
     warmup in RL steps, this in optimizer steps."""
 
@@ -177,7 +177,7 @@ class PPOConfig:
     whiten: bool = True
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
-    loss_agg: LossAgg = "token_mean"  # trainer/ppo.py, "Aggregation"
+    loss_agg: LossAgg = "token_mean"  # trainer/algos/ppo.py, "Aggregation"
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # the actor's
     critic_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
 
@@ -236,7 +236,7 @@ class StageConfig:
         requires to be whole. Without it: one per pipeline stage where the rows allow, i.e.
         the largest divisor of ``rows`` that is at most pp (pipelining needs equal
         micro-batches). The loss of every micro-batch is normalised by the whole mini-batch
-        (``trainer/ppo.py``, "Aggregation"), so the micro-batch size changes time and
+        (``trainer/algos/ppo.py``, "Aggregation"), so the micro-batch size changes time and
         memory, never the update.
         """
         if rows < 1:
@@ -306,7 +306,7 @@ Tracker = Literal["console", "tensorboard", "wandb", "mlflow"]
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoggingConfig:
     """Where each step's metrics go besides ``RUN_DIR/metrics.jsonl`` (always written), from
-    rank 0 (``trainer/trackers.py``); wandb and mlflow are optional extras."""
+    rank 0 (``trainer/metrics/trackers.py``); wandb and mlflow are optional extras."""
 
     trackers: tuple[Tracker, ...] = ("console", "tensorboard")
     console_every: int = 1  # console: one line every this many steps (and the last)
@@ -322,7 +322,7 @@ start (imports, the round handshake), which takes seconds on a loaded machine.""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ElasticConfig:
-    """Restarts after a dead worker (``trainer/staging.py``): the per-step state staged in
+    """Restarts after a dead worker (``trainer/elastic/staging.py``): the per-step state staged in
     node memory, and the deadline of every collective."""
 
     staging: Literal["auto", "always", "never"] = "auto"  # auto: on when the agent may restart the workers (--max-restarts > 0)
@@ -426,7 +426,7 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
     import torch
 
     if cfg.rollout.engine == "vllm":  # the other environment check before launch: vLLM is installed
-        from .vllm_engine import vllm_missing
+        from .rollout.vllm_engine import vllm_missing
 
         if (why := vllm_missing()) is not None:
             raise ConfigError(f"rollout.engine: vllm, but {why}")
@@ -453,7 +453,7 @@ the engine asks vLLM itself again when it starts."""
 
 def _check_vllm_on_cpu(cfg: JobConfig) -> None:
     """What vLLM's CPU build cannot run, as a ConfigError before any worker starts: tp > 1
-    (its weights reload whole, ``trainer/vllm_engine.py``) and head sizes without a kernel."""
+    (its weights reload whole, ``trainer/rollout/vllm_engine.py``) and head sizes without a kernel."""
     gen = cfg.plan.actor.gen
     if gen.tp > 1:
         raise ConfigError(f"plan 'actor.gen' with rollout.engine: vllm on CPU runs tp=1 (dp over the ranks), got tp={gen.tp}")
@@ -629,7 +629,7 @@ def hf_model_settings(path: str) -> dict[str, Any] | None:
     (a directory on another machine: the YAML must then give the shapes)."""
     import json
 
-    from .model import ModelArgs
+    from .models.decoder import ModelArgs
 
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
@@ -764,7 +764,7 @@ def _resolve_vocab(cfg: JobConfig) -> JobConfig:
             raise ConfigError(f"config key '{unresolved[0]}.vocab_size' is not set and there is no tokenizer to take it from: "
                               "set model.path (an HF directory), tokenizer.path, or the vocab_size")
         else:
-            from .tokenizer import load_tokenizer
+            from .data.tokenizer import load_tokenizer
 
             try:
                 vocab = load_tokenizer(path).vocab_size
@@ -835,8 +835,8 @@ def _check_controller(cfg: JobConfig) -> None:
 
 def _check_lr_schedules(cfg: JobConfig) -> None:
     """Each trained model's schedule: values in range, one way to give the warmup, and a
-    warmup shorter than the run (``trainer/schedule.py``)."""
-    from .schedule import lr_schedules, warmup_from_ratio
+    warmup shorter than the run (``trainer/runtime/lr_schedule.py``)."""
+    from .runtime.lr_schedule import lr_schedules, warmup_from_ratio
 
     total = cfg.steps * cfg.optimizer_steps_per_step
     for key, s in lr_schedules(cfg).items():
@@ -1134,7 +1134,7 @@ def _check_rollout_engine(cfg: JobConfig) -> None:
         return
     if not gen.fused:
         raise ConfigError(f"rollout.engine: vllm writes into vLLM's fused q/k/v and gate/up buffers: set {name} fused: true")
-    from .vllm_engine import check_vllm_plan  # pure layout rules; vllm itself is imported by the engine
+    from .rollout.vllm_engine import check_vllm_plan  # pure layout rules; vllm itself is imported by the engine
 
     try:
         check_vllm_plan(decoder_spec(cfg.model), gen.parallel_config(cfg.nproc), cfg.nproc)

@@ -1,4 +1,4 @@
-"""``trainer/data.py``: files of every format back as written, verl's schema and the plain one,
+"""``trainer/data/datasets.py``: files of every format back as written, verl's schema and the plain one,
 global indices over several files, prompt-length enforcement, the sampler's positions, and
 every bad input as a one-line error naming the file and the key or row. The tokenizer is the
 one ``tools/make_dataset.py`` writes (digits are single tokens; a chat prompt of d digits is
@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from nereus.trainer.config import DataConfig
-from nereus.trainer.data import (
+from nereus.trainer.data.datasets import (
     DataError, PromptRow, PromptSampler, load_prompt_dataset, read_records, read_rows, rows_of,
 )
-from nereus.trainer.tokenizer import TokenizerError, load_tokenizer
+from nereus.trainer.data.tokenizer import TokenizerError, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import make_dataset  # noqa: E402

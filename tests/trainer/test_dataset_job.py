@@ -107,9 +107,9 @@ def test_a_resumed_dataset_job_draws_the_prompts_the_uninterrupted_one_draws(mad
 def _mixed_lengths(rank, world_size, made, run_dir):
     """Greedy generation of prompts of different lengths on two actor.gen replicas, each
     row against the same prompt generated alone: the replicas' rows stack left-padded."""
-    from nereus.trainer.generate import generate
-    from nereus.trainer.loop import Trainer
-    from nereus.trainer.sources import Prompts
+    from nereus.trainer.rollout.generator import generate
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.data.prompts import Prompts
 
     cfg = load_config(TINY_TEXT, [f"model.path={made['model']}", f"data.train_files={made['train']}",
                                   f"reward.function={REWARD}", f"run_dir={run_dir}", "device=cpu", "validation.every=0",
@@ -202,8 +202,8 @@ def test_bad_dataset_input_is_a_one_line_error_before_any_worker(made, tmp_path,
 
 
 def test_padded_rows_of_a_replica_with_shorter_prompts_line_up():
-    from nereus.trainer.generate import Rollout
-    from nereus.trainer.loop import _padded
+    from nereus.trainer.rollout.generator import Rollout
+    from nereus.trainer.runtime.step import _padded
 
     out = Rollout(tokens=torch.tensor([[0, 7, 8, 9, 2]]), prompt_mask=torch.tensor([[False, True, True, False, False]]),
                   response_mask=torch.tensor([[False, False, False, True, True]]), logprobs=torch.tensor([[-0.5, -0.25]]),
@@ -218,8 +218,8 @@ def test_padded_rows_of_a_replica_with_shorter_prompts_line_up():
 def _validate(rank, world_size, made, run_dir, val):
     """Trainer.validate on two actor.gen replicas over 3 prompts of two sources in chunks of
     2 (the last chunk has fewer prompts than replicas), against each prompt generated alone."""
-    from nereus.trainer.generate import generate
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.rollout.generator import generate
+    from nereus.trainer.runtime.step import Trainer
     from tools.repeat_reward import compute_score
 
     cfg = load_config(TINY_TEXT, [f"model.path={made['model']}", f"data.train_files={made['train']}", f"data.val_files={val}",
@@ -275,7 +275,7 @@ def test_model_directory_rules_the_config_names(made, tmp_path):
 
 
 def test_a_changed_dataset_refuses_to_resume_at_a_position_that_means_other_prompts(made):
-    from nereus.trainer.sources import DatasetSource
+    from nereus.trainer.data.prompts import DatasetSource
 
     cfg = load_config(TINY_TEXT, [f"model.path={made['model']}", f"data.train_files={made['train']}",
                                   f"data.val_files={made['val']}", f"reward.function={REWARD}"])
@@ -293,8 +293,8 @@ def test_a_changed_dataset_refuses_to_resume_at_a_position_that_means_other_prom
 def test_dataset_rewards_keep_the_functions_metrics_apart_and_count_failed_calls(made):
     """One process (no process group): the dict's keys as reward/fn/<key>, a failed call under
     on_error: zero counted in reward/errors, acc from the function where it returns one."""
-    from nereus.trainer.data import PromptRow
-    from nereus.trainer.sources import DatasetSource, Prompts
+    from nereus.trainer.data.datasets import PromptRow
+    from nereus.trainer.data.prompts import DatasetSource, Prompts
 
     contract = f"{ROOT / 'tests' / 'trainer' / 'reward_fns' / 'contract.py'}:compute_score"
     cfg = load_config(TINY_TEXT, [f"model.path={made['model']}", f"data.train_files={made['train']}",

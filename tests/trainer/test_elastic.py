@@ -17,7 +17,7 @@ import pytest
 
 from nereus.launch import own_result, parse_nnodes, rendezvous_timeout
 from nereus.trainer.config import ConfigError, load_config
-from nereus.trainer.staging import check_staged, choose_sources, plan_digest
+from nereus.trainer.elastic.staging import check_staged, choose_sources, plan_digest
 from tests.distributed_harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -313,8 +313,8 @@ def _train_and_stage(rank, world, run_dir, shm_dir):
     kinds, staging dir still there, (its step counter, LR == that step's))."""
     import torch
 
-    from nereus.trainer.loop import Trainer
-    from nereus.trainer.staging import Stager, agree_sources, restore_newest
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.staging import Stager, agree_sources, restore_newest
 
     cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}",
                                   "grpo.lr_schedule.decay=linear"])  # the LR moves every update: its position is state
@@ -358,7 +358,7 @@ def _capacity_and_a_failed_write(cfg, rank, trainer, shm_dir):
 
     from nereus.store import dcp_io
     from nereus.store.checkpoint import CheckpointStore
-    from nereus.trainer import staging
+    from nereus.trainer.elastic import staging
 
     emus = [e for s in trainer._trained() for e in s.emus]
     real_free, real_finish = staging.free_bytes, dcp_io.BoxWriter.finish
@@ -397,8 +397,8 @@ def _two_nodes_stage(rank, world, run_dir, shm_dir, shared):
     import torch
 
     from nereus.store.checkpoint import CheckpointStore, checkpoint_layouts
-    from nereus.trainer.loop import Trainer
-    from nereus.trainer.staging import Stager, agree_sources, restore_newest
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.staging import Stager, agree_sources, restore_newest
 
     os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     mine = shm_dir if shared else f"{shm_dir}/{rank}"
@@ -506,8 +506,8 @@ def _kill_while_staging(rank, world, run_dir, shm_dir):
     """Stage step 1, then die (SIGKILL) inside the staging of step 2, after its box files are
     written and before its manifest commits."""
     from nereus.store import checkpoint
-    from nereus.trainer.loop import Trainer
-    from nereus.trainer.staging import Stager
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.staging import Stager
 
     cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}"])
     trainer = Trainer(cfg)
@@ -525,7 +525,7 @@ def _kill_while_staging(rank, world, run_dir, shm_dir):
 @pytest.mark.timeout(120)
 def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, shm_dir):
     from nereus.store.checkpoint import CheckpointStore
-    from nereus.trainer.staging import local_view
+    from nereus.trainer.elastic.staging import local_view
 
     with pytest.raises(RuntimeError, match="exited with code -9"):
         run_distributed(_kill_while_staging, 1, str(tmp_path / "run"), shm_dir, timeout=110)
@@ -553,7 +553,7 @@ def _kill_while_saving(rank, world, run_dir):
     box file's write starts (two writes began before it)."""
 
     from nereus.store import dcp_io
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}"])
     os.makedirs(run_dir, exist_ok=True)
@@ -579,8 +579,8 @@ def _kill_while_saving(rank, world, run_dir):
 def _restore_and_gather(rank, world, run_dir, sets):
     """A fresh trainer restores the newest valid source (staged, else durable), as a
     restarted worker does; rank 0 returns (step, source, actor state, plan it was saved in)."""
-    from nereus.trainer.loop import Trainer
-    from nereus.trainer.staging import agree_sources, restore_newest
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.staging import agree_sources, restore_newest
 
     cfg = load_config(TINY_GRPO, [*sets, f"run_dir={run_dir}"])
     trainer = Trainer(cfg)
@@ -621,8 +621,8 @@ def _kill_mid_transition(rank, world, run_dir, shm_dir):
     in which rank 1 dies (SIGKILL) right after posting its first message."""
 
     from nereus.reshard import transport
-    from nereus.trainer.loop import Trainer
-    from nereus.trainer.staging import Stager
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.staging import Stager
 
     cfg = load_config(TINY_GRPO, [*SMALL, *TWO, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}", "elastic.collective_timeout_s=30"])
     os.makedirs(run_dir, exist_ok=True)
@@ -657,7 +657,7 @@ def test_a_kill_halfway_through_a_transition_leaves_the_old_committed_state_usab
     before the move, in the old plan, byte for byte."""
 
     from nereus.store.checkpoint import CheckpointStore
-    from nereus.trainer.resume import plan_for_start
+    from nereus.trainer.elastic.resume import plan_for_start
 
     run_dir = tmp_path / "run"
     with pytest.raises(RuntimeError, match="exited with code -9"):
@@ -723,7 +723,7 @@ def test_a_staged_copy_of_another_launch_or_plan_history_is_refused():
 
 
 def test_the_plan_record_counts_plan_changes():
-    from nereus.trainer.staging import advance_plan_record
+    from nereus.trainer.elastic.staging import advance_plan_record
 
     a, b = {"actor": {"train": {"dp": 2}}}, {"actor": {"train": {"dp": 1, "tp": 2}}}
     first = advance_plan_record(None, a, 0)
@@ -784,7 +784,7 @@ def test_on_several_nodes_the_newest_step_every_node_holds_on_every_rank_s_own_n
 
 
 def test_a_node_s_own_staging_dir_comes_from_its_environment(monkeypatch):
-    from nereus.trainer.staging import STAGING_ENV, staging_root
+    from nereus.trainer.elastic.staging import STAGING_ENV, staging_root
 
     cfg = load_config(TINY_GRPO, ["elastic.staging_dir=/dev/shm/from-config"])
     monkeypatch.delenv(STAGING_ENV, raising=False)
@@ -798,7 +798,7 @@ def test_a_node_s_own_staging_dir_comes_from_its_environment(monkeypatch):
 
 
 def test_nodes_are_told_apart_and_a_staging_dir_two_nodes_share_is_refused():
-    from nereus.trainer.staging import group_nodes, shared_dir
+    from nereus.trainer.elastic.staging import group_nodes, shared_dir
 
     assert group_nodes(["node 1", "node 0", "node 1", "node 0"]) == [[0, 2], [1, 3]]
     nodes = [[0, 1], [2, 3]]
@@ -811,7 +811,7 @@ def test_nodes_are_told_apart_and_a_staging_dir_two_nodes_share_is_refused():
 
 def test_an_unreadable_durable_manifest_is_refused_on_every_rank_not_fatal(tmp_path, monkeypatch):
     from nereus.store.checkpoint import CheckpointStore
-    from nereus.trainer.staging import DURABLE_REFUSED, local_view
+    from nereus.trainer.elastic.staging import DURABLE_REFUSED, local_view
 
     durable = tmp_path / "checkpoints"
     (durable / "meta").mkdir(parents=True)
@@ -858,7 +858,7 @@ def test_elastic_config_and_flags_are_checked():
 
 
 def test_staging_mode_and_capacity_are_checked(monkeypatch):
-    from nereus.trainer.staging import capacity_refusal, staging_mode
+    from nereus.trainer.elastic.staging import capacity_refusal, staging_mode
 
     assert staging_mode(load_config(TINY_GRPO, ["elastic.staging=always"])) is True
     assert staging_mode(load_config(TINY_GRPO, ["elastic.staging=never"])) is False
@@ -881,7 +881,7 @@ def test_a_restart_is_told_from_a_fresh_start_by_the_launchs_store():
 
     import torch.distributed as dist
 
-    from nereus.trainer.rounds import ROUND_KEY, decide_restart, join_round
+    from nereus.trainer.elastic.lineage import ROUND_KEY, decide_restart, join_round
 
     def round_of(store_port, world, stale=None):
         got, errors = {}, []
@@ -915,7 +915,7 @@ def test_a_restart_is_told_from_a_fresh_start_by_the_launchs_store():
 
 def test_the_agents_rendezvous_round_counts_only_under_its_own_launch(monkeypatch):
     from nereus.launch import RDZV_ROUND_ENV
-    from nereus.trainer.rounds import rdzv_round
+    from nereus.trainer.elastic.lineage import rdzv_round
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
     for value, want in (("job-a:3", 3), ("job-a:0", 0), ("job-b:3", None), ("3", None), ("job-a:x", None)):
@@ -979,7 +979,7 @@ def test_every_rendezvous_round_names_the_store_of_its_own_rank_0():
 
 def test_a_start_plans_for_the_world_there_is():
     from nereus.trainer.config import config_to_dict
-    from nereus.trainer.resume import plan_for_start, runs_on
+    from nereus.trainer.elastic.resume import plan_for_start, runs_on
 
     cfg = load_config(TINY_GRPO, [*SMALL, *TWO])
     same, how = plan_for_start(cfg, None, 2)
@@ -996,7 +996,7 @@ def test_a_start_plans_for_the_world_there_is():
 
 def test_a_restarted_worker_takes_the_restored_plan_where_it_runs():
     from nereus.trainer.config import config_to_dict
-    from nereus.trainer.resume import plan_for_world
+    from nereus.trainer.elastic.resume import plan_for_world
 
     cfg = load_config(TINY_GRPO, [*SMALL, *TWO])
     same, how = plan_for_world(cfg, config_to_dict(cfg.plan), 2)
@@ -1012,7 +1012,7 @@ def test_a_restarted_worker_takes_the_restored_plan_where_it_runs():
 def test_the_trackers_are_flushed_before_a_state_commits(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from nereus.trainer.trackers import TensorBoard, flush_trackers
+    from nereus.trainer.metrics.trackers import TensorBoard, flush_trackers
 
     tb = TensorBoard.open(str(tmp_path), 0)
     tb.log(1, {"reward_mean": 0.5}, {})
@@ -1048,7 +1048,7 @@ def test_only_a_fresh_start_s_rank_0_checks_the_run_dir_on_several_nodes_or_unde
     from nereus.cli import train as cli_train
     from nereus.cli.app import app
     from nereus.store.checkpoint import CheckpointStore
-    from nereus.trainer.staging import fresh_run_dir
+    from nereus.trainer.elastic.staging import fresh_run_dir
 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)

@@ -5,7 +5,7 @@ teacher-forced forward over the rollout."""
 import pytest
 import torch
 
-from nereus.trainer.generate import Rollout, generate, generate_no_cache, left_pad, sample
+from nereus.trainer.rollout.generator import Rollout, generate, generate_no_cache, left_pad, sample
 
 from .test_model import make_model
 

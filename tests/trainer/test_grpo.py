@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from nereus.trainer.advantages import minibatch_indices
-from nereus.trainer.grpo import group_advantages, grpo_loss
+from nereus.trainer.algos.advantages import minibatch_indices
+from nereus.trainer.algos.grpo import group_advantages, grpo_loss
 
 
 def test_group_advantages_by_hand() -> None:

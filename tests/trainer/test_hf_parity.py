@@ -41,9 +41,9 @@ from nereus.reshard.derive import DecoderSpec, plan_parameters  # noqa: E402
 from nereus.reshard.layout import ParallelConfig  # noqa: E402
 from nereus.store.errors import ModelMismatchError  # noqa: E402
 from nereus.store.hf import HFCheckpoint, HFWriter, check_against_spec  # noqa: E402
-from nereus.trainer.generate import generate  # noqa: E402
-from nereus.trainer.model import KVCache, Llama3RopeScaling, ModelArgs, build_model, init_weights  # noqa: E402
-from nereus.trainer.stages import sequence_scores  # noqa: E402
+from nereus.trainer.rollout.generator import generate  # noqa: E402
+from nereus.trainer.models.decoder import KVCache, Llama3RopeScaling, ModelArgs, build_model, init_weights  # noqa: E402
+from nereus.trainer.runtime.stages import sequence_scores  # noqa: E402
 
 ATOL = RTOL = 1e-5
 VOCAB, PAD = 96, 0  # real tokens are drawn from 1..VOCAB-1: HF's pooling finds pads by id
@@ -109,9 +109,9 @@ def as_transformers4_config(path: str) -> None:
 def _load_stages(rank: int, world_size: int, dirs: dict[str, str]) -> dict[str, dict]:
     """In the 1-rank gloo child: each directory through build_stage + load_hf, as numpy."""
     from nereus.trainer.config import StageConfig
-    from nereus.trainer.loop import load_hf
-    from nereus.trainer.parallel import build_stage
-    from nereus.trainer.stages import ModelStage
+    from nereus.trainer.runtime.step import load_hf
+    from nereus.trainer.parallel.parallelize import build_stage
+    from nereus.trainer.runtime.stages import ModelStage
 
     out = {}
     for name, path in dirs.items():

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from nereus.trainer.config import load_config
-from nereus.trainer.layout_check import compare, run_layouts, state_kind
+from nereus.trainer.runtime.layout_check import compare, run_layouts, state_kind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nereus.trainer.controller.memory import HEADROOM, logits_bytes
-from nereus.trainer.memtrace import tensor_peak
+from nereus.trainer.metrics.memtrace import tensor_peak
 from tests.distributed_harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,10 +38,10 @@ def test_tensor_peak_counts_what_is_alive_at_once():
 
 
 def _measure(rank: int, world: int, overrides: list[str]) -> dict:
-    import nereus.trainer.loop as loop
+    import nereus.trainer.runtime.step as loop
     from nereus.trainer.config import load_config
     from nereus.trainer.controller.memory import plan_memory
-    from nereus.trainer.stages import infer
+    from nereus.trainer.runtime.stages import infer
 
     cfg = load_config(TINY_PPO, overrides)
     trainer = loop.Trainer(cfg)

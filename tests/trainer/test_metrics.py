@@ -8,7 +8,7 @@ import time
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from nereus.trainer.metrics import MetricsLog
+from nereus.trainer.metrics.log import MetricsLog
 
 
 def row(step: int) -> dict:

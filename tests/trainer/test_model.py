@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nereus.reshard.derive import DecoderSpec, plan_parameters
-from nereus.trainer.model import (
+from nereus.trainer.models.decoder import (
     Attention,
     KVCache,
     ModelArgs,
@@ -340,7 +340,7 @@ def test_llama31_rope_scaling_matches_transformers():
     """Frequencies of Llama-3.1-8B (head_dim 128, theta 5e5): values printed by transformers
     5.23's ROPE_INIT_FUNCTIONS["llama3"] for the same config (low band / 8, high band kept,
     the middle blended)."""
-    from nereus.trainer.model import Llama3RopeScaling
+    from nereus.trainer.models.decoder import Llama3RopeScaling
 
     args = ModelArgs.from_hf_config({**LLAMA, "hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 5e5, "rope_scaling": LLAMA31_ROPE})
     assert args.rope_scaling == Llama3RopeScaling.from_hf(LLAMA31_ROPE)
@@ -358,7 +358,7 @@ def test_llama31_rope_scaling_matches_transformers():
 
 
 def test_loading_refuses_forward_settings_that_differ_from_the_checkpoint():
-    from nereus.trainer.loop import check_forward_settings
+    from nereus.trainer.runtime.step import check_forward_settings
 
     config = {**LLAMA, "rope_theta": 5e5, "rope_scaling": LLAMA31_ROPE}
     args = ModelArgs.from_hf_config(config)

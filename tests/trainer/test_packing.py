@@ -5,9 +5,9 @@ same gradients as stored ones, with a lower measured activation peak."""
 import pytest
 import torch
 
-from nereus.trainer.model import recompute_layers, set_recompute
-from nereus.trainer.packing import balanced_order, pack_batch, pack_rows, row_spans
-from nereus.trainer.stages import response_logprobs, response_values, sequence_scores
+from nereus.trainer.models.decoder import recompute_layers, set_recompute
+from nereus.trainer.parallel.packing import balanced_order, pack_batch, pack_rows, row_spans
+from nereus.trainer.runtime.stages import response_logprobs, response_values, sequence_scores
 
 from .test_model import make_model
 
@@ -182,7 +182,7 @@ def test_the_trainer_recomputes_with_a_lower_measured_peak_and_the_same_update(t
     actor.train's measured activation peak (tensor bytes its forward and backward allocate,
     ``StageMeter(tensors=...)``) falls with recompute, and the update stays bit for bit."""
     from nereus.trainer.config import load_config
-    from nereus.trainer.layout_check import compare, run_layouts
+    from nereus.trainer.runtime.layout_check import compare, run_layouts
 
     cfg = load_config("configs/tiny_grpo.yaml", [
         f"run_dir={tmp_path}", "checkpoint_every=0", "nproc=2", "rollout.prompts_per_step=8", "grpo.minibatch_size=32",

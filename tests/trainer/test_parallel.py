@@ -16,8 +16,8 @@ from nereus.reshard.derive import DecoderSpec, derive_emus
 from nereus.reshard.errors import LayoutError, ProcessGroupError
 from nereus.reshard.layout import ParallelConfig, box_view, local_buffers
 from nereus.reshard.reference import fill_reference, reference_box
-from nereus.trainer.model import ModelArgs, build_model, init_weights
-from nereus.trainer.parallel import (
+from nereus.trainer.models.decoder import ModelArgs, build_model, init_weights
+from nereus.trainer.parallel.parallelize import (
     ReplicatedKVHead,
     build_stage,
     init_stage,
@@ -29,8 +29,8 @@ from nereus.trainer.parallel import (
     stage_grads,
     stage_groups,
 )
-from nereus.trainer.pipeline import forward, forward_backward, sync_grads
-from nereus.trainer.vocab_parallel import VocabShard, token_logprobs
+from nereus.trainer.parallel.pipeline import forward, forward_backward, sync_grads
+from nereus.trainer.parallel.vocab_parallel import VocabShard, token_logprobs
 from tests.distributed_harness import run_distributed
 
 # GQA (kv=2: split at tp=2, one head copied twice at tp=4), 3 layers (uneven pp ranges).

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from nereus.trainer.advantages import (
+from nereus.trainer.algos.advantages import (
     kl_k3,
     masked_mean,
     masked_whiten,
     minibatch_indices,
 )
-from nereus.trainer.ppo import LOSS_AGG, compute_advantages, gae, loss_weights, policy_loss, token_rewards, value_loss
-from nereus.trainer.vocab_parallel import token_logprobs
+from nereus.trainer.algos.ppo import LOSS_AGG, compute_advantages, gae, loss_weights, policy_loss, token_rewards, value_loss
+from nereus.trainer.parallel.vocab_parallel import token_logprobs
 
 
 def random_batch(B: int = 6, T: int = 9, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -24,8 +24,8 @@ from nereus.cli.app import app
 from nereus.store.checkpoint import CheckpointStore, load_checkpoint
 from nereus.store.job import plan_config, read_job
 from nereus.trainer.config import load_config
-from nereus.trainer.resume import resume_config, runs_on
-from nereus.trainer.tasks import build_task, chance_reward
+from nereus.trainer.elastic.resume import resume_config, runs_on
+from nereus.trainer.data.tasks import build_task, chance_reward
 from tests.distributed_harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,7 +144,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(whole, tmp_path):
     assert CheckpointStore(str(split / "checkpoints")).steps() == [2]
     cfg = load_config(TINY_PPO, ["model.dtype=float64"])
     from nereus.reshard.derive import derive_emus
-    from nereus.trainer.stage_args import model_args
+    from nereus.trainer.models.args import model_args
 
     args = model_args(cfg, "actor.train")
     emus = derive_emus(args.spec, cfg.plan.actor.train.parallel_config(cfg.nproc), model="actor", stage="train", optimizer=True)
@@ -165,7 +165,7 @@ def _restored(rank, world, config):
     checkpoint; rank 0 returns its step and every trained tensor, gathered whole with every
     replica checked (``gather_full``)."""
     from nereus.reshard.gather import gather_full
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     trainer = Trainer(load_config(config))
     step, state = trainer.restore(), {}
@@ -184,7 +184,7 @@ def saved_state(run_dir, cfg) -> tuple[int, dict]:
     """The latest committed checkpoint of the run, loaded whole on one rank: the state the
     stopped job left."""
     from nereus.reshard.derive import derive_emus
-    from nereus.trainer.stage_args import model_args
+    from nereus.trainer.models.args import model_args
 
     emus = []
     for key in ("actor.train", "critic.train"):

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from nereus.trainer import rewards
+from nereus.trainer.data import rewards
 from nereus.trainer.config import RewardConfig
-from nereus.trainer.rewards import (
+from nereus.trainer.data.rewards import (
     RewardError,
     RewardItem,
     RewardScorer,
@@ -300,7 +300,7 @@ def test_worker_load_error_and_close():
 def test_load_ok():
     fn = load_reward_function(f"{FNS}/contract.py:with_kwargs")  # **kwargs takes the four keywords
     assert fn(data_source="a", solution_str="b", ground_truth="c", extra_info={}) == 1.0
-    assert load_reward_function("nereus.trainer.rewards:gsm8k_score") is gsm8k_score
+    assert load_reward_function("nereus.trainer.data.rewards:gsm8k_score") is gsm8k_score
     assert load_reward_function(f"{os.path.abspath(FNS)}/contract.py:trivial")(
         data_source="", solution_str="", ground_truth="", extra_info={}
     ) == 1.0

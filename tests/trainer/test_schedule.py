@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nereus.trainer.config import ConfigError, load_config
-from nereus.trainer.schedule import LRSchedule, attach, optimizer_step_count, plan_schedule
+from nereus.trainer.runtime.lr_schedule import LRSchedule, attach, optimizer_step_count, plan_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
@@ -19,7 +19,7 @@ TINY_GRPO = os.path.join(ROOT, "configs", "tiny_grpo.yaml")
 
 
 def closed_form(s: int, *, lr: float, total: int, warmup: int, decay: str, floor: float) -> float:
-    """The module docstring's f, written out again here (not trainer/schedule.py's code)."""
+    """The module docstring's f, written out again here (not trainer/runtime/lr_schedule.py's code)."""
     if s < warmup:
         return lr * ((s + 1) / (warmup + 1))
     if decay == "constant":
@@ -127,7 +127,7 @@ def expected(cfg, model: str, step: int) -> float:
 
 def _transition(rank: int, world: int, run_dir: str) -> dict:
     from nereus.trainer.config import StageConfig
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     cfg = load_config(TINY_PPO, [*SMALL_JOB, f"run_dir={run_dir}", *SCHEDULE])
     trainer = Trainer(cfg)
@@ -171,7 +171,7 @@ ONE_PROCESS = ["nproc=1", "plan.actor.train.dp=1", "plan.actor.train.tp=1", "pla
 def _attempt(rank: int, world: int, run_dir: str, plan: list[str], steps: int, resume: bool) -> dict:
     """``steps`` steps of one 4-step job in ``plan``, after restoring its checkpoint when
     ``resume``; then a checkpoint."""
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     cfg = load_config(TINY_PPO, [*plan, *SMALL_JOB, f"run_dir={run_dir}", *SCHEDULE])
     trainer = Trainer(cfg)
@@ -204,7 +204,7 @@ def test_the_lr_continues_exactly_after_a_restore_on_another_world_size(tmp_path
 
 def test_a_schedule_that_cannot_decay_or_a_floor_without_decay_is_refused():
     from nereus.trainer.config import ConfigError, load_config
-    from nereus.trainer.schedule import warmup_from_ratio
+    from nereus.trainer.runtime.lr_schedule import warmup_from_ratio
 
     assert warmup_from_ratio(0.29, 100) == 29
     tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny_grpo.yaml")

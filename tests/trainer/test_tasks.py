@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nereus.trainer.config import TaskConfig
-from nereus.trainer.tasks import BOS_ID, EOS_ID, VOCAB, build_task, chance_reward, make_task
+from nereus.trainer.data.tasks import BOS_ID, EOS_ID, VOCAB, build_task, chance_reward, make_task
 
 TASKS = [make_task("repeat"), make_task("count"), make_task("repeat", digits=5, response_len=3), make_task("count", digits=1, response_len=9)]
 

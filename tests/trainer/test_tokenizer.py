@@ -1,4 +1,4 @@
-"""``trainer/tokenizer.py`` against transformers' own tokenizer, and the model directory that
+"""``trainer/data/tokenizer.py`` against transformers' own tokenizer, and the model directory that
 ``tools/make_dataset.py`` writes: it loads through the project's HF reader and through
 ``transformers.LlamaForCausalLM`` with the same logits (|ours - theirs| <= 1e-5 + 1e-5 |theirs|,
 float32 on both sides, as ``test_hf_parity.py``)."""
@@ -19,9 +19,9 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from nereus.store.hf import HFCheckpoint, check_against_spec
-from nereus.trainer.loop import check_forward_settings
-from nereus.trainer.model import ModelArgs, build_model
-from nereus.trainer.tokenizer import TokenizerError, load_tokenizer
+from nereus.trainer.runtime.step import check_forward_settings
+from nereus.trainer.models.decoder import ModelArgs, build_model
+from nereus.trainer.data.tokenizer import TokenizerError, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import make_dataset  # noqa: E402

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from nereus.cli.app import app
 from nereus.trainer.config import ConfigError, LoggingConfig, load_config
-from nereus.trainer.metrics import MetricsLog, flatten
-from nereus.trainer.trackers import Console, console_line, missing_trackers
+from nereus.trainer.metrics.log import MetricsLog, flatten
+from nereus.trainer.metrics.trackers import Console, console_line, missing_trackers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
@@ -275,7 +275,7 @@ def test_a_run_that_stopped_on_an_error_is_recorded_as_failed(tmp_path, offline)
 
 def test_wandb_online_without_an_api_key_stops_before_any_worker(monkeypatch, tmp_path):
     from nereus.trainer.config import ConfigError
-    from nereus.trainer.trackers import check_trackers
+    from nereus.trainer.metrics.trackers import check_trackers
 
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(key, raising=False)

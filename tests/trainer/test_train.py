@@ -100,7 +100,7 @@ TWO_PROCS = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.re
 def _two_steps(rank, world_size, run_dir, on_policy, algo):
     """Two steps of one update each; the shortcut on or forced off (old log-probs computed).
     GRPO on 2 processes; PPO (KL as a loss term) on one."""
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     if algo == "grpo":
         cfg = load_config(TINY_GRPO, [*TWO_PROCS, f"run_dir={run_dir}", "grpo.epochs=1", "grpo.minibatch_size=256", "device=cpu"])
@@ -132,7 +132,7 @@ def test_one_update_per_step_skips_the_old_logprob_forward_exactly(tmp_path, alg
 
 
 def _entropy_step(rank, world_size, run_dir):
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     cfg = load_config(TINY_GRPO, [*TWO_PROCS, f"run_dir={run_dir}", "grpo.entropy_coef=0.5", "device=cpu"])
     return Trainer(cfg).run_step()
@@ -150,7 +150,7 @@ def test_entropy_coef_adds_the_policy_entropy_bonus(tmp_path):
 def _reward_model_step(rank, world_size, run_dir, rm_dir):
     """One PPO step on 2 processes scored by a reward model loaded from an HF directory
     (reward.infer tp2: the scores cross a TP layout), with the batch and scores it used."""
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     rm = "{path: %s, hidden_size: 64, intermediate_size: 192, num_layers: 2, num_heads: 4, num_kv_heads: 2}" % rm_dir
     two = [o.replace("=1", "=2") if ".dp=" in o or o.startswith("nproc") else o for o in ONE_PROCESS_PPO]  # all dp=2
@@ -173,7 +173,7 @@ def test_a_reward_model_scores_each_sequence_at_its_last_real_token(tmp_path):
     from tests.distributed_harness import run_distributed
     from tests.store.models import llama_config, write_hf_model
 
-    from nereus.trainer.model import ModelArgs, build_model
+    from nereus.trainer.models.decoder import ModelArgs, build_model
 
     config = llama_config(
         architectures=["LlamaForSequenceClassification"], vocab_size=16, hidden_size=64, intermediate_size=192,
@@ -196,7 +196,7 @@ def test_a_reward_model_scores_each_sequence_at_its_last_real_token(tmp_path):
 
 
 def _critic_params(rank, world_size, run_dir, lm_dir):
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     cfg = load_config(TINY_PPO, [*ONE_PROCESS_PPO, f"run_dir={run_dir}", "device=cpu", f"model.path={lm_dir}"])
     trainer = Trainer(cfg)
@@ -210,7 +210,7 @@ def test_a_critic_on_the_actors_checkpoint_loads_its_backbone_and_draws_a_value_
     from tests.distributed_harness import run_distributed
     from tests.store.models import llama_config, write_hf_model
 
-    from nereus.trainer.parallel import init_tensor
+    from nereus.trainer.parallel.parallelize import init_tensor
 
     config = llama_config(vocab_size=16, hidden_size=64, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=32)
     weights = write_hf_model(tmp_path / "lm", config, seed=5)
@@ -227,7 +227,7 @@ def test_a_critic_on_the_actors_checkpoint_loads_its_backbone_and_draws_a_value_
 
 def _grpo_steps(rank, world_size, run_dir, overrides):
     """Two GRPO steps on 2 processes (fixed-length responses), their metrics and the weights."""
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     cfg = load_config(TINY_GRPO, [*TWO_PROCS, f"run_dir={run_dir}", "device=cpu", "rollout.ignore_eos=true", *overrides])
     trainer = Trainer(cfg)
@@ -265,7 +265,7 @@ def test_micro_batches_accumulate_the_same_update(tmp_path):
 
 
 def _one_ppo_step(rank, world_size, run_dir, overrides):
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     cfg = load_config(TINY_PPO, [*ONE_PROCESS_PPO, f"run_dir={run_dir}", "device=cpu", *overrides])
     trainer = Trainer(cfg)

@@ -28,9 +28,9 @@ def _poisoned_step(rank: int, world: int, overrides: list[str], poisoned: int, w
     """One step with a non-finite value on rank ``poisoned`` only: ``"loss"``, the actor's
     loss of its first micro-batch (mini-batch 1); ``"grad"``, the critic's gradient of one
     parameter once mini-batch 1 has stepped (mini-batch 2; the loss stays finite)."""
-    from nereus.trainer import ppo
+    from nereus.trainer.algos import ppo
     from nereus.trainer.config import load_config
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     trainer = Trainer(load_config(TINY_PPO, overrides))
     before = _state(trainer)
@@ -93,7 +93,7 @@ def test_an_infinite_gradient_in_the_second_minibatch_stops_before_its_step(tmp_
 def _bf16_step(rank: int, world: int, overrides: list[str]) -> dict:
     from nereus.reshard.gather import gather_full
     from nereus.trainer.config import load_config
-    from nereus.trainer.loop import Trainer
+    from nereus.trainer.runtime.step import Trainer
 
     trainer = Trainer(load_config(TINY_PPO, overrides))
     train = {k: s for k, s in trainer.stages.items() if k.endswith(".train")}

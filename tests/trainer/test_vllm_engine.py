@@ -26,10 +26,10 @@ from nereus.reshard.layout import ParallelConfig, local_buffers
 from nereus.reshard.plan import plan_transfers
 from nereus.reshard.reference import reference_box, reference_state
 from nereus.trainer.config import ConfigError, load_config
-from nereus.trainer.generate import generate
-from nereus.trainer.model import ModelArgs
-from nereus.trainer.stages import _check_engine
-from nereus.trainer.vllm_engine import (
+from nereus.trainer.rollout.generator import generate
+from nereus.trainer.models.decoder import ModelArgs
+from nereus.trainer.runtime.stages import _check_engine
+from nereus.trainer.rollout.vllm_engine import (
     VLLMEngine,
     VLLMUnavailableError,
     check_vllm_plan,
@@ -523,7 +523,7 @@ def _vllm_cpu_engine(rank: int, world: int, spec_kw: dict) -> dict:
     from nereus.reshard.arrays import arrays_from_plan
     from nereus.reshard.execute import execute
     from nereus.reshard.graph import plan_graph
-    from nereus.trainer.model import build_model, init_weights
+    from nereus.trainer.models.decoder import build_model, init_weights
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     spec = DecoderSpec(**spec_kw)
@@ -628,7 +628,7 @@ def test_tiny_vllm_trains_end_to_end_with_vllm_generating(tmp_path):
     from typer.testing import CliRunner
 
     from nereus.cli.app import app
-    from nereus.trainer.tasks import build_task, chance_reward
+    from nereus.trainer.data.tasks import build_task, chance_reward
 
     result = CliRunner().invoke(app, ["train", str(TINY_VLLM), "--run-dir", str(tmp_path)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -657,7 +657,7 @@ def test_vllm_engine_generates_from_the_weights_reshard_writes(monkeypatch):
     from nereus.reshard.arrays import arrays_from_plan
     from nereus.reshard.execute import execute
     from nereus.reshard.graph import plan_graph
-    from nereus.trainer.model import build_model, init_weights
+    from nereus.trainer.models.decoder import build_model, init_weights
     from tests.distributed_harness import free_port
 
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus.trainer.vocab_parallel import VocabShard, token_logprobs
+from nereus.trainer.parallel.vocab_parallel import VocabShard, token_logprobs
 from tests.distributed_harness import run_distributed
 
 V = 12

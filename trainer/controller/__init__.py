@@ -10,6 +10,6 @@
 - ``admission``  when to replan and whether a better plan pays for its transition
 - ``online``     the live controller: observe → decide, with its logs
 
-The step loop (``trainer/worker.py``) calls it through one seam: ``observe`` after a step,
+The step loop (``trainer/runtime/worker.py``) calls it through one seam: ``observe`` after a step,
 ``decide`` before the next; ``nereus plan`` and the simulator call the same functions.
 """

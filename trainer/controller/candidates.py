@@ -11,7 +11,7 @@ links) once per layout and the rest elementwise; ``config(i)`` rebuilds candidat
 ``micro_batching`` is the one place both models read a replica's micro-batches from:
 
 - ``micro_batch_tokens`` T: the replica's rows, padding removed, packed first-fit
-  decreasing into packs of at most T tokens (``trainer/packing.py``). With ``real`` = rows
+  decreasing into packs of at most T tokens (``trainer/parallel/packing.py``). With ``real`` = rows
   × the mean tokens of a row: ``n = ceil(real / T)`` packs (first-fit decreasing fills all
   but the last nearly full when rows are short against T), at least ``min(pp, rows)`` under
   a pipeline (``stages._pack``); the largest holds ``min(T, real)`` tokens (memory). Without

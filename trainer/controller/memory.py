@@ -4,7 +4,7 @@ Model-stages are co-located (they run one after another on the same ranks), so a
 peak is its *resident* state of every model-stage it holds plus the largest *transient*
 of one model-stage while it runs. Sizes: ``c`` bytes per element of the compute dtype
 (the model's ``dtype``), training stages storing float32 master weights
-(``trainer/stage_args.py``). Every term is a function of (tp, pp, dp, dp_shard,
+(``trainer/models/args.py``). Every term is a function of (tp, pp, dp, dp_shard,
 micro-batch or token budget, recompute) and of the sequence length ``seq`` (default the
 model's ``max_seq_len``; the controller passes the coming step's):
 
@@ -47,7 +47,7 @@ model's ``max_seq_len``; the controller passes the coming step's):
   (``forward_too``: the actor's old log-probs off-policy, the critic's values without a
   ``critic.infer``) peaks at the larger of that forward's and its update's transient;
 - logits (causal LM, last stage): the model's output keeps the vocabulary sharded over TP
-  (``trainer/vocab_parallel.py``), ``s·b·V/t`` elements in the compute dtype, plus the
+  (``trainer/parallel/vocab_parallel.py``), ``s·b·V/t`` elements in the compute dtype, plus the
   float32 copy of a bf16 block, the float32 softmax p, and a divided copy at temperature
   ≠ 1 (packed: and the copy of the response positions' logits the loss gathers); a value
   head's output is [b, s] and counts nothing;
@@ -150,7 +150,7 @@ def candidate_memory(cfg: JobConfig, key: str, c: Candidates, *, seq: int | None
     pipeline stages': the first and the last (``pipeline_memory(ends=True)``, which bound
     the middle ones), and under ``selective`` recompute every stage (a middle stage may hold
     fewer checkpointed blocks than the first), all at once."""
-    from ..stage_args import model_args
+    from ..models.args import model_args
 
     n = len(c)
     layers = (args or model_args(cfg, key)).spec.num_layers
@@ -196,7 +196,7 @@ def memory_at(
     candidate ``which[i]``: the module docstring's terms, elementwise. ``memo``: a key that
     names (cfg, key, which, stage) for ``c.derived``, which then keeps the terms that do not
     depend on ``seq`` (the same expressions, evaluated once: the results are bit-identical)."""
-    from ..stage_args import model_args
+    from ..models.args import model_args
 
     args = args or model_args(cfg, key)
     spec = args.spec
@@ -323,7 +323,7 @@ def rank_peak(stages: list[StageMemory]) -> tuple[int, StageMemory]:
 def logits_bytes(compute: str, temperature: float) -> int:
     """Bytes per logit element a training or inference stage holds at once: the model's
     output in the compute dtype, its float32 copy (16-bit only: ``stages.upcast``), the
-    divided copy (T ≠ 1), and the softmax (``trainer/vocab_parallel.py``), float32 or wider."""
+    divided copy (T ≠ 1), and the softmax (``trainer/parallel/vocab_parallel.py``), float32 or wider."""
     size = itemsize(compute)
     return size + (4 if size < 4 else 0) + (size if temperature != 1.0 else 0) + max(size, 4)
 

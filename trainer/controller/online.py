@@ -60,7 +60,7 @@ says nothing of FSDP2's 20%), and an underestimate is an out-of-memory step."""
 
 
 def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) -> dict[str, float] | None:
-    """The step-time features of one measured piece of a step (``trainer/observe.py``'s
+    """The step-time features of one measured piece of a step (``trainer/metrics/meters.py``'s
     names): a model-stage, a model-stage's forward by a training layout
     (``<model>.train.infer``), or a weight sync (``sync.<destination>``); None for the
     step's bookkeeping (advantages, the finiteness check), which is not planned."""
@@ -127,7 +127,7 @@ class Controller:
         self.nproc = cfg.nproc
         self.pending: dict | None = None
         if run_dir is not None:  # a resume from step first_step (0: a fresh run) forgets what came after it
-            from ..metrics import cut_lines
+            from ..metrics.log import cut_lines
 
             os.makedirs(run_dir, exist_ok=True)
             for name in ("predictions.jsonl", "transitions.jsonl"):
@@ -211,7 +211,7 @@ class Controller:
         peaks = [self.memory.peak(*t) for t in terms]
         rows = group.tolist()
         predicted, classes = [peaks[g] for g in rows], [terms[g][2] for g in rows]
-        # each step starts from a trimmed heap (trainer/observe.py): every step's peak is its own. A class
+        # each step starts from a trimmed heap (trainer/metrics/meters.py): every step's peak is its own. A class
         # keeps its worst rank of each step (the fit's offset is a maximum: nothing it uses is dropped), in a
         # record of its own, so that a class left at step 50 is still known at step 900 however many ranks
         # the classes run between have

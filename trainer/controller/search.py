@@ -46,7 +46,7 @@ from nereus.reshard.derive import check_tp
 from nereus.reshard.errors import LayoutError
 
 from ..config import ConfigError, JobConfig, PlanConfig, StageConfig, longest_row
-from ..stage_args import model_args
+from ..models.args import model_args
 from .candidates import RECOMPUTE, Candidates, kept_of
 from .classes import MemoryFit, _Classes, layout_kind, rank_class  # noqa: F401 - re-exported (online, simulate, tests)
 from .memory import GIB, HEADROOM, candidate_memory, forward_too, gib

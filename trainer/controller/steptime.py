@@ -195,7 +195,7 @@ def candidate_features(
     cfg: JobConfig, key: str, c: Candidates, work: Workload, where: Placement, *, mode: str | None = None, args=None
 ) -> dict[str, np.ndarray]:
     """``stage_features`` of every candidate of ``c`` at once: per operation class, an array."""
-    from ..stage_args import model_args
+    from ..models.args import model_args
 
     args = args or model_args(cfg, key)
     spec, profile = args.spec, where.profile
@@ -394,7 +394,7 @@ def sync_features(cfg: JobConfig, dst_key: str, dst: StageConfig, where: Placeme
 
 def candidate_sync_features(cfg: JobConfig, dst_key: str, c: Candidates, where: Placement, *, args=None) -> dict[str, np.ndarray]:
     """``sync_features`` of every candidate of ``c`` at once."""
-    from ..stage_args import model_args
+    from ..models.args import model_args
 
     args = args or model_args(cfg, dst_key)
     local = c.elements(args.spec).max(axis=1)[c.layout]

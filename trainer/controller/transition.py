@@ -50,8 +50,8 @@ def profile_links(profile) -> LinkCost:
 
 def stage_emus(cfg: JobConfig, key: str, sc: StageConfig, nproc: int):
     """The EMUs a model-stage holds under ``sc`` (weights, and AdamW state when training)."""
-    from ..stage_args import model_args
-    from ..vllm_engine import vllm_emus
+    from ..models.args import model_args
+    from ..rollout.vllm_engine import vllm_emus
 
     args = model_args(cfg, key)
     model, stage = key.split(".")
@@ -114,7 +114,7 @@ class TransitionModel:
 
     def _bound(self, cfg: JobConfig, key: str, sc: StageConfig) -> tuple[float, int]:
         """(seconds, bytes) of the closed-form price of moving ``key`` into ``sc``."""
-        from ..stage_args import model_args
+        from ..models.args import model_args
         from .memory import pipeline_memory, plan_parameters
 
         busiest = max(m.resident for m in pipeline_memory(cfg, key, sc, ends=True))

@@ -50,7 +50,7 @@ class Workload:
     def from_config(cls, cfg: JobConfig, step: int | None = None) -> Workload:
         """The longest step of the job, or the longest step ``step`` (0-based) can be: the
         trainer caps a length curriculum's rollouts at that step's answer length."""
-        from ..tasks import build_task
+        from ..data.tasks import build_task
 
         hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
         task = build_task(cfg.task)

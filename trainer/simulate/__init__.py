@@ -9,5 +9,5 @@
 
 The controller's models, search and admission are imported from ``trainer/controller``,
 never copied: the adaptive policy calls ``Controller.observe``/``decide``/``transitioned``
-with the step loop's metrics, as ``trainer/worker.py`` does.
+with the step loop's metrics, as ``trainer/runtime/worker.py`` does.
 """

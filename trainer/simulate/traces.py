@@ -238,7 +238,7 @@ def write_jsonl(path: str, trace: list[TraceStep]) -> None:
 
 def run_records(run_dir: str) -> tuple[dict, list[dict]]:
     """A real run's resolved config (``config.json``) and its training steps' metrics lines."""
-    from ..report import read_jsonl as read_records
+    from ..metrics.report import read_jsonl as read_records
 
     config = os.path.join(run_dir, "config.json")
     if not os.path.isfile(config):

@@ -3,7 +3,7 @@
 The simulated machine runs the controller's own models with parameters the controller is
 never shown, so that it has to calibrate from its observations as it does live:
 
-- a step's pieces (the names the step loop measures, ``trainer/observe.py``: each
+- a step's pieces (the names the step loop measures, ``trainer/metrics/meters.py``: each
   model-stage, the weight syncs ``sync.<destination>``, a training stage's own forward
   ``<model>.train.infer``) take ``θ*·f(piece) · exp(σ·z)`` seconds: the step-time model's
   features (``online.piece_features``'s, priced for every policy at once) under a hidden efficiency θ* per operation class

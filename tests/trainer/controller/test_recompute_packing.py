@@ -26,7 +26,7 @@ from nereus.trainer.controller.search import search, stage_options, stage_second
 from nereus.trainer.controller.steptime import Placement, StepTimeModel, stage_features
 from nereus.trainer.controller.transition import rebuilt_stages
 from nereus.trainer.controller.workload import Workload
-from nereus.trainer.stage_args import model_args
+from nereus.trainer.models.args import model_args
 
 CPU = load_profile("cpu")
 LONG = ["nproc=1", "plan={actor: {train: {dp: 1}, gen: {dp: 1}}}", "grpo.kl_coef=0", "model.num_layers=8", "model.intermediate_size=768", "model.max_seq_len=512",

@@ -75,7 +75,7 @@ def missing_trackers(trackers) -> list[str]:
 def check_trackers(trackers) -> None:
     """ConfigError naming the first tracker whose package is not installed here (``nereus
     train`` calls it before any worker starts)."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     missing = missing_trackers(trackers)
     if missing:

@@ -1,7 +1,7 @@
 """The step of ``nereus train`` (``Trainer``): generation → inference → training, every
 model-stage in its own layout, weights moving between layouts through reshard. The loop
 around it — start or restore, metrics, checkpoints, staging, the controller — is
-``trainer/worker.py``.
+``trainer/runtime/worker.py``.
 
 One step (all ranks, SPMD):
 
@@ -10,7 +10,7 @@ One step (all ranks, SPMD):
    vLLM's own with ``rollout.engine: vllm``);
 2. generation: each ``actor.gen`` replica samples responses for its share of the prompts
    (the step's prompts and the replica's sampling seed are the same on all its TP ranks),
-   with the built-in generator or the vLLM engine (``trainer/vllm_engine.py``);
+   with the built-in generator or the vLLM engine (``trainer/rollout/vllm_engine.py``);
 3. inference: rewards, from the task's rule or, with a ``reward_model``, from ``reward.infer``
    (its value at each sequence's last real token; the task's own reward is then logged as
    ``task_reward_mean``); old log-probs (``actor.train``), reference log-probs
@@ -29,9 +29,9 @@ Devices: ``device`` in the config (``resolve_device``) puts every model-stage on
 this process's GPU (``cuda:LOCAL_RANK``); on CUDA the process group is gloo for CPU tensors
 (object collectives, the reshard agreement) and NCCL for CUDA ones (TP/FSDP/PP, gradient
 sync, the weight sync's point-to-point). The step's batch stays on CPU; stages move their
-rows to their device and gather results back to CPU (``trainer/stages.py``).
+rows to their device and gather results back to CPU (``trainer/runtime/stages.py``).
 
-Each trained model's LR follows its schedule (``trainer/schedule.py``), positioned at its
+Each trained model's LR follows its schedule (``trainer/runtime/lr_schedule.py``), positioned at its
 AdamW step; ``save`` commits a checkpoint through the store atomically, so ``--resume``
 restarts from the last good step and a failed step (NaN loss) never touches it.
 """
@@ -52,18 +52,19 @@ from nereus.reshard.graph import plan_graph
 from nereus.reshard.plan import plan_transfers
 from nereus.reshard.stream import StagingArena
 
-from . import grpo, ppo, schedule
-from .advantages import kl_k1, masked_mean, minibatch_indices
-from .config import JobConfig, config_to_dict, resolve_device
-from .generate import generate
-from .model import ModelArgs
-from .metrics import peak_memory
-from .observe import StageMeter, rss_bytes, trim_heap
-from .parallel import init_stage, init_tensor, load_full
+from ..algos import grpo, ppo
+from . import lr_schedule
+from ..algos.advantages import kl_k1, masked_mean, minibatch_indices
+from ..config import JobConfig, config_to_dict, resolve_device
+from ..rollout.generator import generate
+from ..models.decoder import ModelArgs
+from ..metrics.log import peak_memory
+from ..metrics.meters import StageMeter, rss_bytes, trim_heap
+from ..parallel.parallelize import init_stage, init_tensor, load_full
 from .stages import (
     ModelStage, backward_minibatch, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values,
 )
-from .sources import Prompts, make_source
+from ..data.prompts import Prompts, make_source
 
 KEEP_CHECKPOINTS = 3
 
@@ -141,11 +142,11 @@ class Trainer:
         return self.cfg.ppo.critic_lr if key == "critic.train" else hp.lr
 
     def _attach_schedule(self, key: str, stage: ModelStage) -> None:
-        """The stage's LR schedule at its optimizer's own step count (``trainer/schedule.py``):
+        """The stage's LR schedule at its optimizer's own step count (``trainer/runtime/lr_schedule.py``):
         when the optimizer is made, and again after a checkpoint loads into it or a transition
         moves its state, so the LR continues where it was."""
         if stage.optimizer is not None:
-            stage.scheduler = schedule.attach(stage.optimizer, schedule.plan_schedule(self.cfg, key), self._lr(key))
+            stage.scheduler = lr_schedule.attach(stage.optimizer, lr_schedule.plan_schedule(self.cfg, key), self._lr(key))
 
     def _plan_syncs(self) -> list[WeightSync]:
         syncs = [WeightSync(src=self.stages["actor.train"], dst=self.stages["actor.gen"])]
@@ -172,8 +173,8 @@ class Trainer:
         retuned their micro-batch size; ``verified``: tensors compared, 0 without ``verify``;
         ``peak_bytes``: this rank's measured peak while building and moving, verification
         excluded — it gathers whole tensors on rank 0)."""
-        from .controller.transition import changed_stages, rebuilt_stages
-        from .parallel import release_groups
+        from ..controller.transition import changed_stages, rebuilt_stages
+        from ..parallel.parallelize import release_groups
         from .stages import stage_group_ranks
 
         t0 = time.perf_counter()
@@ -334,7 +335,7 @@ class Trainer:
         """Per measured piece: seconds (this rank's), rows and tokens it processed (padded:
         ``tokens``; ``real_tokens`` without the padding, what a packed stage computes on), and
         this rank's measured peak bytes (``peak_bytes``; gathered over ranks by
-        ``trainer/worker.py``'s ``gather_rank_figures``)."""
+        ``trainer/runtime/worker.py``'s ``gather_rank_figures``)."""
         rows, width = batch["input_ids"].shape
         real = int(batch["attention_mask"].sum())
         hp = self.cfg.ppo if self.cfg.algorithm == "ppo" else self.cfg.grpo
@@ -501,7 +502,7 @@ class Trainer:
                 if done[name].sums is not None:
                     sums[name] = done[name].sums if name not in sums else sums[name] + done[name].sums
         with self.meter("train.check"):
-            mine = {name: (lrs[name], schedule.optimizer_step_count(stage.optimizer), stage.optimizer.param_groups[0]["lr"])
+            mine = {name: (lrs[name], lr_schedule.optimizer_step_count(stage.optimizer), stage.optimizer.param_groups[0]["lr"])
                     for name, stage, *_ in models if name in lrs}
             metrics, self.extra_state["lr_schedule"] = _finish_metrics(sums, norms, len(minibatches), mine)
             return metrics
@@ -564,9 +565,9 @@ class Trainer:
     def job_state(self) -> dict:
         """The JSON-able state a checkpoint or a staged copy carries besides the tensors: the
         step, the prompt sampler's position, the LR schedules' positions, the controller's,
-        the run's lineage and its plan record (``trainer/staging.py``: advanced here when the
+        the run's lineage and its plan record (``trainer/elastic/staging.py``: advanced here when the
         plan differs from the one the last record was written in)."""
-        from .staging import advance_plan_record
+        from ..elastic.staging import advance_plan_record
 
         self.extra_state["data"] = self.source.state_dict()  # the prompt sampler's position
         for key, provide in self.state_providers.items():
@@ -576,8 +577,8 @@ class Trainer:
         return {"step": self.step, **self.extra_state}
 
     def stage(self, stager) -> None:
-        """Stage this step's state in node memory (``trainer/staging.py``; every rank calls it)."""
-        from .staging import staged_state
+        """Stage this step's state in node memory (``trainer/elastic/staging.py``; every rank calls it)."""
+        from ..elastic.staging import staged_state
 
         plan = config_to_dict(self.cfg.plan)
         buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
@@ -603,9 +604,9 @@ class Trainer:
         for stage in self._trained():  # AdamW's step came back with its state: the schedule resumes from it
             self._attach_schedule(stage.key, stage)
             saved = self.restored_state.get("lr_schedule", {}).get(stage.key.split(".")[0])
-            if saved and stage.optimizer is not None and saved["optimizer_steps"] != schedule.optimizer_step_count(stage.optimizer):
+            if saved and stage.optimizer is not None and saved["optimizer_steps"] != lr_schedule.optimizer_step_count(stage.optimizer):
                 raise RuntimeError(f"checkpoint of step {self.step}: {stage.key}'s optimizer restored at update "
-                                   f"{schedule.optimizer_step_count(stage.optimizer)}, but it was saved at {saved['optimizer_steps']}")
+                                   f"{lr_schedule.optimizer_step_count(stage.optimizer)}, but it was saved at {saved['optimizer_steps']}")
         if self.rank == 0:  # this job owns the root and is not saving: unfinished saves of its last run go
             CheckpointStore(root).clean_orphans(older_than=0)
         return self.step

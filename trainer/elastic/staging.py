@@ -45,7 +45,7 @@ the next one is loaded. A refused staged copy (for any reason) is deleted, so th
 attempt does not meet it again and later staging does not collide with its steps: the job
 never loops on a bad copy. A fresh start deletes every node's staged copies before it starts.
 
-The launch's round and the run's lineage: ``trainer/rounds.py``.
+The launch's round and the run's lineage: ``trainer/elastic/lineage.py``.
 
 Plan record: ``{"version", "since", "digest"}`` — how many plan changes the lineage has gone
 through, the step from which the current plan holds, its digest — kept in the job state
@@ -96,7 +96,7 @@ def node_staging_dir() -> str | None:
     """This node's staging dir from its environment (``NEREUS_STAGING_DIR``), None when unset.
     The job's config is one for every node (rank 0's); a path of one node's goes here.
     ConfigError naming the variable when it is not a local absolute path."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     path = os.environ.get(STAGING_ENV) or None
     if path is not None and ("://" in path or not os.path.isabs(path)):
@@ -146,7 +146,7 @@ def agree_start(cfg, resume: bool, overwrite: bool | None = None) -> dict:
     node's staged copies (its local rank 0); with ``overwrite`` not None (the launcher left the
     run dir to the workers: under torchrun, several nodes) rank 0 also refuses an earlier
     run's checkpoints or deletes them (``fresh_run_dir``) — never on a restart."""
-    from .rounds import is_restart, launch_lineage, new_lineage
+    from .lineage import is_restart, launch_lineage, new_lineage
 
     decision: list = [None]
     if dist.get_rank() == 0:

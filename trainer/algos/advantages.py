@@ -1,6 +1,6 @@
 """Token-level maths shared by PPO and GRPO: masked statistics, whitening, KL estimators
 and mini-batches (pure tensor functions, no model code; the entropy of the policy comes
-from the vocabulary-sharded logits, ``trainer/vocab_parallel.py``).
+from the vocabulary-sharded logits, ``trainer/parallel/vocab_parallel.py``).
 
 Shapes: a batch is ``B`` responses right-padded to ``T`` tokens. ``mask[b, t]`` is 1 for a
 real response token (the final EOS included) and 0 for padding; every row's mask is a

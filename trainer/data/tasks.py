@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .config import TaskConfig
+    from ..config import TaskConfig
 
 VOCAB: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", *"0123456789", "=", "+", ":")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from nereus.reshard.gather import gather_full
 
-from .config import JobConfig, config_to_dict, load_config
-from .metrics import flatten, peak_memory_bytes
+from ..config import JobConfig, config_to_dict, load_config
+from ..metrics.log import flatten, peak_memory_bytes
 
 TIMING_KEYS = ("stage_seconds", "step_seconds", "tokens_per_s", "peak_memory_bytes", "peak_device_memory_bytes", "stages", "syncs")
 
@@ -64,7 +64,7 @@ def run_layouts(cfg: JobConfig, plans: Sequence[Sequence[str]], *, steps: int = 
 
 
 def _worker(base: dict, plans: list[tuple[str, ...]], steps: int, tensor_peaks: tuple[str, ...] = ()) -> list[LayoutResult] | None:
-    from .loop import Trainer, worker_device
+    from .step import Trainer, worker_device
     from .worker import join_process_group
 
     cfg0 = load_config(base)

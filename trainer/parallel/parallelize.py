@@ -35,9 +35,9 @@ The local tensors match ``reshard.derive.derive_emus`` exactly (checked at build
   over the dp group (one flat all-reduce per group after the last micro-batch, instead of
   DDP's buckets overlapped with backward). Gradients are SUMMED over dp, never averaged —
   FSDP2's reduce-scatter too (divide factor 1): every loss is already normalised by the
-  global mini-batch (``trainer/ppo.py``, "Aggregation").
+  global mini-batch (``trainer/algos/ppo.py``, "Aggregation").
 - mixed precision: a stage whose ``args.compute`` differs from its storage dtype (fp32
-  master weights, bf16 compute) casts on use inside the model (``trainer/model.py``); under
+  master weights, bf16 compute) casts on use inside the model (``trainer/models/decoder.py``); under
   FSDP2 ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)`` all-gathers the
   weights in the compute dtype instead. Gradients are float32 and reduced in float32.
 
@@ -71,7 +71,7 @@ from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus, plan_layer
 from nereus.reshard.errors import LayoutError, ProcessGroupError
 from nereus.reshard.layout import DTYPES, ParallelConfig, TensorLayout, box_view, local_buffers
 
-from .model import Decoder, ModelArgs, _param_seed, build_model
+from ..models.decoder import Decoder, ModelArgs, _param_seed, build_model
 from .vocab_parallel import VocabShard
 
 # ------------------------------------------------------------------------ process groups

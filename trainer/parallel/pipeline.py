@@ -9,7 +9,7 @@ Micro-batches are ``torch.tensor_split(t, n)`` of every tensor along dim 0 (B >=
 pp > 1, n must divide B: pipelining sizes its activation buffers once, from the first
 micro-batch). ``loss_fn(output, micro_batch) -> scalar`` is called once per
 micro-batch on the last stage; the gradient is that of the SUM of these losses (no
-1/n scaling: normalise inside ``loss_fn`` by the GLOBAL mini-batch, ``trainer/ppo.py``'s
+1/n scaling: normalise inside ``loss_fn`` by the GLOBAL mini-batch, ``trainer/algos/ppo.py``'s
 aggregation), then ``sync_grads`` finishes it (KV-head copies, tied embedding copies, the
 sum over dp replicas). Each call
 runs one optimizer step's worth of micro-batches: zero the gradients between steps.
@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from .packing import Packing
-from .parallel import StagePart, reshard, stage_grads
+from .parallelize import StagePart, reshard, stage_grads
 
 MODEL_KWARGS = ("attention_mask", "position_ids", "document_ids")
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
@@ -126,7 +126,7 @@ def forward_backward(
     replica. To accumulate over several calls, pass ``sync=False`` and call ``sync_grads``
     once after the last: its KV-copy and tied-embedding sums must run once per step.
 
-    With ``packing`` (``trainer/packing.py``) micro-batch m is pack m: the model runs on the
+    With ``packing`` (``trainer/parallel/packing.py``) micro-batch m is pack m: the model runs on the
     pack (as wide as its tokens; with pp > 1 every pack as wide as the widest) and
     ``loss_fn`` gets its output [1, width, …] with ``packing.rows_of(batch, m)``, the pack's
     rows in the padded layout (``n_microbatches`` is ignored)."""

@@ -48,7 +48,7 @@ import torch
 from .tokenizer import TextTokenizer, TokenizerError
 
 if TYPE_CHECKING:
-    from .config import DataConfig
+    from ..config import DataConfig
 
 SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow")
 VERL_ANSWER = "reward_model.ground_truth"

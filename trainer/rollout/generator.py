@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .model import KVCache
+from ..models.decoder import KVCache
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,7 +5,7 @@ checkpoint (a controller may have changed it since the config was written):
 ``resumed_plan``. ``nereus resume RUN_DIR [--nproc N] [--set ...]`` continues it on any
 number of processes: ``resume_config`` rebuilds the job from the run's resolved config
 (``RUN_DIR/config.json``, written first at every start; without it the store's job
-record, ``trainer/job_record.py``, which every start updates too), and
+record, ``trainer/elastic/job_record.py``, which every start updates too), and
 
 - with ``--set plan...``: the checkpoint's plan with those keys changed, validated;
 - else, if the checkpoint's plan runs on N ranks: that plan;
@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from .config import ConfigError, JobConfig, PlanConfig, _build, load_config, validate
+from ..config import ConfigError, JobConfig, PlanConfig, _build, load_config, validate
 
 
 def _saved_plan(run_dir: str) -> Mapping | None:
@@ -137,6 +137,6 @@ def plan_for_world(cfg: JobConfig, saved: Mapping | None, world: int) -> tuple[J
     if runs_on(cfg.plan, world):
         validate(cfg)
         return cfg, "the launch's plan"
-    from .config import config_to_dict
+    from ..config import config_to_dict
 
     return load_config({**config_to_dict(cfg), "plan": "auto"}), f"planned for {world} ranks by the controller"

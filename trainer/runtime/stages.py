@@ -5,14 +5,14 @@ config); all ranks create every stage's process groups in the same order first
 (``new_group`` is collective over the world). Model-stages are co-located and run one
 after another, as verl's hybrid engine does: generation, then inference, then training.
 
-With ``rollout.engine: vllm``, ``actor.gen`` is a ``VLLMEngine`` (trainer/vllm_engine.py)
+With ``rollout.engine: vllm``, ``actor.gen`` is a ``VLLMEngine`` (trainer/rollout/vllm_engine.py)
 instead of a Nereus module: its EMUs are vLLM's fused layout and its buffers vLLM's live
 parameters, so the weight sync writes straight into vLLM.
 
 Batch split: a stage with dp replicas gives replica d the rows ``tensor_split(B, dp)[d]``;
 all TP and PP ranks of a replica see the same rows. With ``micro_batch_tokens`` the rows are
 first ordered so that those shares hold about equal tokens, and each replica packs its rows,
-padding removed, into micro-batches of at most that many tokens (``trainer/packing.py``).
+padding removed, into micro-batches of at most that many tokens (``trainer/parallel/packing.py``).
 Training stages checkpoint the activations of the layers ``recompute`` names
 (``model.recompute_layers``), read from the stage's settings at each call, so a plan
 transition retunes it in place. Results come back to every rank with
@@ -36,15 +36,15 @@ import torch.distributed as dist
 from nereus.reshard.derive import derive_emus
 from nereus.reshard.layout import EMU, ParallelConfig
 
-from .config import JobConfig, StageConfig
-from .ppo import LossSums
-from .stage_args import model_args
-from .model import ModelArgs, set_recompute
-from .packing import Packing, balanced_order, pack_batch, pack_count
-from .parallel import StagePart, build_stage, cached_group, optimizer_buffers, plan_groups, stage_buffers, stage_grads, stage_groups
-from .pipeline import forward, forward_backward
-from .vllm_engine import VLLMEngine, vllm_emus
-from .vocab_parallel import VocabShard, token_logprobs
+from ..config import JobConfig, StageConfig
+from ..algos.ppo import LossSums
+from ..models.args import model_args
+from ..models.decoder import ModelArgs, set_recompute
+from ..parallel.packing import Packing, balanced_order, pack_batch, pack_count
+from ..parallel.parallelize import StagePart, build_stage, cached_group, optimizer_buffers, plan_groups, stage_buffers, stage_grads, stage_groups
+from ..parallel.pipeline import forward, forward_backward
+from ..rollout.vllm_engine import VLLMEngine, vllm_emus
+from ..parallel.vocab_parallel import VocabShard, token_logprobs
 
 
 @dataclass(kw_only=True)
@@ -59,7 +59,7 @@ class ModelStage:
     part: StagePart | None
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-    """Training stages: the LR schedule, positioned at the optimizer's step (``trainer/schedule.py``)."""
+    """Training stages: the LR schedule, positioned at the optimizer's step (``trainer/runtime/lr_schedule.py``)."""
     emus: list[EMU] = field(default_factory=list)
     group: dist.ProcessGroup | None = None
     """All ranks of the model-stage (None: the world)."""
@@ -219,7 +219,7 @@ def response_logprobs(
     """log π(a_t | s_t) of the response tokens [B, N] (logits at positions P-1..T-2 score
     tokens P..T-1) and, with ``entropy``, H(π(· | s_t)) there, of the distribution sampled
     from (logits / T). ``logits`` are this rank's vocabulary columns (``vocab``): [B, T, V_t],
-    or one pack's [1, width, V_t] when ``mb`` carries ``score_pos`` (``trainer/packing.py``)."""
+    or one pack's [1, width, V_t] when ``mb`` carries ``score_pos`` (``trainer/parallel/packing.py``)."""
     p = int(mb["prompt_width"][0])
     targets = mb["input_ids"][:, p:]
     if "score_pos" in mb and "response_mask" in mb:  # a pack: only its real response tokens, never [rows, N, V]

@@ -97,8 +97,8 @@ from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus
 from nereus.reshard.errors import LayoutError
 from nereus.reshard.layout import DTYPES, EMU, Dims, ParallelConfig, Shard, TensorLayout
 
-from .generate import Rollout, left_pad
-from .model import ModelArgs
+from .generator import Rollout, left_pad
+from ..models.decoder import ModelArgs
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")

@@ -4,14 +4,14 @@
 (``prompts(step)``), has them generated, and asks it to score the responses
 (``rewards(prompts, responses)``, collective: every rank calls it with the same rows).
 
-- ``TaskSource``: the toy tasks of ``trainer/tasks.py`` (``task:``), their own 16-token
+- ``TaskSource``: the toy tasks of ``trainer/data/tasks.py`` (``task:``), their own 16-token
   vocabulary, prompts drawn from a per-step seeded generator, the task's rule reward
   (computed on every rank: it is a few comparisons per row).
-- ``DatasetSource``: ``data.train_files`` read as verl reads them (``trainer/data.py``),
-  rendered and tokenized by the model's own tokenizer (``trainer/tokenizer.py``), drawn in
+- ``DatasetSource``: ``data.train_files`` read as verl reads them (``trainer/data/datasets.py``),
+  rendered and tokenized by the model's own tokenizer (``trainer/data/tokenizer.py``), drawn in
   a seeded order that is a function of one position (prompts consumed so far, saved in
   every checkpoint, independent of the number of ranks and replicas), and scored by a rule
-  reward (``trainer/rewards.py``: a built-in or the user's ``compute_score``) on the
+  reward (``trainer/data/rewards.py``: a built-in or the user's ``compute_score``) on the
   responses decoded to text. Scoring is split over the ranks (rank r scores rows
   r, r + W, …, in its own process pool) and gathered, so that a slow reward function
   costs 1/W of the rows on each rank; a failure on any rank is raised on every rank,
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, JobConfig
+from ..config import ConfigError, JobConfig
 from .tasks import Task, build_task
 
 
@@ -75,7 +75,7 @@ class TaskSource:
         return build_task(self.cfg.task, step) if self.cfg.task.grow_to is not None else self.task
 
     def prompts(self, step: int) -> Prompts:
-        from .loop import _seed
+        from ..runtime.step import _seed
 
         cfg, task = self.cfg, self._task(step)
         g = torch.Generator().manual_seed(_seed(cfg.seed, step, 0))
@@ -108,7 +108,7 @@ class DatasetSource:
     """A prompt dataset (``cfg.data``) with the model's tokenizer and a rule reward."""
 
     def __init__(self, cfg: JobConfig, *, scorer: bool = True) -> None:
-        from .data import PromptSampler
+        from .datasets import PromptSampler
         from .rewards import RewardScorer
 
         self.cfg = cfg
@@ -229,7 +229,7 @@ def job_tokenizer(cfg: JobConfig):
 
 
 def _dataset(cfg: JobConfig, files, key: str, tokenizer):
-    from .data import load_prompt_dataset
+    from .datasets import load_prompt_dataset
 
     if not files:
         raise ConfigError(f"config key '{key}' is empty: a dataset job needs at least one file")

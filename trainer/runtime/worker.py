@@ -1,11 +1,11 @@
 """One rank of ``nereus train``: it joins the process group, starts the trainer fresh or
 restores it from the newest valid source in a plan for the world there is, and runs the
 step loop — metrics to ``RUN_DIR/metrics.jsonl`` and the trackers of ``logging.trackers``
-(console and TensorBoard by default; ``trainer/trackers.py``) from rank 0, durable
+(console and TensorBoard by default; ``trainer/metrics/trackers.py``) from rank 0, durable
 checkpoints every ``checkpoint_every`` steps, the per-step staged copy
-(``trainer/staging.py``) and the controller's seam (``JobControl``: rank 0 observes and
+(``trainer/elastic/staging.py``) and the controller's seam (``JobControl``: rank 0 observes and
 decides, every rank applies the broadcast decision). The step itself is
-``trainer/loop.py``'s ``Trainer``."""
+``trainer/runtime/step.py``'s ``Trainer``."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, JobConfig, config_to_dict
-from .loop import Trainer, worker_device
-from .metrics import MetricsLog
-from .observe import release_freed_memory
-from .rewards import RewardError
+from ..config import ConfigError, JobConfig, config_to_dict
+from .step import Trainer, worker_device
+from ..metrics.log import MetricsLog
+from ..metrics.meters import release_freed_memory
+from ..data.rewards import RewardError
 
 
 def join_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
@@ -31,7 +31,7 @@ def join_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
     communicator now, on every rank, so that a first point-to-point batch between some ranks
     does not have to). ``timeout_s`` (``elastic.collective_timeout_s``) is every collective's
     deadline: a dead peer fails the survivors' collectives, and the agent restarts them."""
-    from .rounds import enter_launch
+    from ..elastic.lineage import enter_launch
 
     timeout = timedelta(seconds=timeout_s)
     where = enter_launch(timeout)  # under an elastic agent: its store, prefixed by this rendezvous round
@@ -46,24 +46,24 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     """One rank of ``nereus train`` (the process group is initialised from the environment).
 
     With ``resume``, and on every restart by the elastic agent, the state comes back from the
-    newest valid source (``trainer/staging.py``: the staged copy of the last completed step
+    newest valid source (``trainer/elastic/staging.py``: the staged copy of the last completed step
     on this node, checked, else the latest durable checkpoint) into ``cfg``'s plan, whatever
-    the plan it was saved in (``trainer/resume.py`` chooses the plan before the launch; on a
+    the plan it was saved in (``trainer/elastic/resume.py`` chooses the plan before the launch; on a
     restart the source's own plan is taken where it runs on this world). With
     ``controller.enabled`` rank 0 observes every step and decides before the next; an
     admitted plan is broadcast and every rank moves to it (``Trainer.apply_plan``) before the
     step's checkpoint, so a checkpoint always holds the plan it was saved in. With staging on
     (``elastic.staging``) each completed step's state is staged, overlapped with the next
     step, and the run's staged copies are removed when it finishes. On every start the plan
-    is one for the world there is (``trainer/resume.py: plan_for_start``). ``overwrite`` not
+    is one for the world there is (``trainer/elastic/resume.py: plan_for_start``). ``overwrite`` not
     None: the launcher left the run dir to the workers (under torchrun, several nodes); a
     fresh start's rank 0 refuses an earlier run's checkpoints, or deletes them with
     ``overwrite`` — never a restart. Returns the last step's metrics, or ``{"error":
     message}`` on every rank when the job stopped on a non-finite loss (the last committed
     checkpoint is left as it was), the run dir was refused, or no source could be restored.
     """
-    from .staging import Stager, agree_start, finish_staging, staging_mode
-    from .trackers import flush_trackers
+    from ..elastic.staging import Stager, agree_start, finish_staging, staging_mode
+    from ..metrics.trackers import flush_trackers
 
     times = {"entry": time.time()}  # when this attempt's worker started, for tools/bench_elastic.py's recovery split
     device = worker_device(cfg)
@@ -89,7 +89,7 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
                 json.dump(config_to_dict(cfg), f, indent=1)
             from nereus.store.checkpoint import CheckpointStore
 
-            from .job_record import JobBook
+            from ..elastic.job_record import JobBook
 
             book = JobBook(CheckpointStore(trainer.checkpoint_root()).meta)
             book.start(cfg, first, restore_s=(record or {}).get("restore_s", 0.0))
@@ -117,7 +117,7 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
                     log.write(metrics)
                 last = metrics
                 if record is not None and rank0:  # the first step after a restore completed
-                    from .staging import log_restore
+                    from ..elastic.staging import log_restore
 
                     log_restore(cfg.run_dir, {**record, **times, "first_step_done": time.time()})
                 record = None
@@ -155,9 +155,9 @@ def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, time
     source (collective), in a plan for the world there is. ``start``: ``agree_start``'s
     decision. ``{"trainer", "first", "record"}`` (``record``: how it was restored, None when
     fresh), or ``{"error": message}`` on every rank."""
-    from .resume import plan_for_start
-    from .rounds import launch_round, new_lineage, publish_lineage, rdzv_round, restart_count
-    from .staging import DURABLE_REFUSED, agree_sources, restore_newest
+    from ..elastic.resume import plan_for_start
+    from ..elastic.lineage import launch_round, new_lineage, publish_lineage, rdzv_round, restart_count
+    from ..elastic.staging import DURABLE_REFUSED, agree_sources, restore_newest
 
     durable = os.path.join(cfg.run_dir, "checkpoints")
     restoring, restart = start["restoring"], start["restart"]
@@ -215,8 +215,8 @@ class JobControl:
     every rank applies the decision it broadcasts (module docstring of ``controller``)."""
 
     def __init__(self, trainer: Trainer, first_step: int, book=None) -> None:
-        from .controller.online import Controller
-        from .controller.profiles import load_profile
+        from ..controller.online import Controller
+        from ..controller.profiles import load_profile
 
         self.trainer, self.book = trainer, book  # book: rank 0's ``job_record.JobBook``
         self.controller = None
@@ -253,7 +253,7 @@ class JobControl:
         message = [decision.new_plan if decision is not None and decision.admitted else None]
         dist.broadcast_object_list(message, src=0)
         if message[0] is not None:
-            from .config import PlanConfig, _build
+            from ..config import PlanConfig, _build
 
             from nereus.reshard.errors import TransitionTimeout
 

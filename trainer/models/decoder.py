@@ -30,7 +30,7 @@ bf16 gradient of each use lands in the float32 ``.grad`` — FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` contract, under every layout
 (under FSDP2 with that policy the weights arrive in bf16 already and the casts do nothing).
 
-Packed rows (``trainer/packing.py``): ``document_ids`` mark which row each position of a
+Packed rows (``trainer/parallel/packing.py``): ``document_ids`` mark which row each position of a
 packed sequence belongs to; attention is causal within a row only (``document_attention``:
 one SDPA call per row of the pack, no mask) and positions restart at each row, so a row's
 outputs are those of its padded forward.
@@ -272,7 +272,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 @dataclass(frozen=True, slots=True)
 class Documents:
-    """Packed rows (``trainer/packing.py``) as attention sees them: per batch row, the
+    """Packed rows (``trainer/parallel/packing.py``) as attention sees them: per batch row, the
     boundaries ``0 = b_0 < b_1 < … < b_k = T`` of its documents (the padding at a pack's
     tail is one more). Attention runs causally within each document and never across."""
 

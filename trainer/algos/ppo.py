@@ -140,7 +140,7 @@ def compute_advantages(
     """Steps 1–2: (advantages, returns, metrics) from task scores [B] and the rollout tensors.
 
     ``old_logprobs`` may be None when the KL is not in the reward (the on-policy shortcut
-    of ``trainer/loop.py`` then never computes them). The metrics are the ones only this
+    of ``trainer/runtime/step.py`` then never computes them). The metrics are the ones only this
     step knows (``return``, ``value``); the step's ``reward_mean``, ``kl`` and
     ``response_length`` are the loop's."""
     in_reward = ref_logprobs if kl_in_reward else None

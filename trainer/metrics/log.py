@@ -1,5 +1,5 @@
 """Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl`` (always), and the
-trackers of ``logging.trackers`` (``trainer/trackers.py``: console, TensorBoard, wandb,
+trackers of ``logging.trackers`` (``trainer/metrics/trackers.py``: console, TensorBoard, wandb,
 MLflow), from rank 0 only."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: str, *, total: int, first_step: int = 0, settings=None, config: dict | None = None) -> None:
-        from .config import LoggingConfig
+        from ..config import LoggingConfig
         from .trackers import open_trackers
 
         os.makedirs(run_dir, exist_ok=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from .config import JobConfig, decoder_spec
-from .model import Llama3RopeScaling, ModelArgs
+from ..config import JobConfig, decoder_spec
+from .decoder import Llama3RopeScaling, ModelArgs
 
 
 @functools.lru_cache(maxsize=256)

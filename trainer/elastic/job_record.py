@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from .config import JobConfig, config_to_dict
+from ..config import JobConfig, config_to_dict
 
 
 class JobBook:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from .config import JobConfig, LRScheduleConfig
+    from ..config import JobConfig, LRScheduleConfig
 
 
 @dataclass(frozen=True, kw_only=True)  # no slots: LambdaLR.state_dict copies a callable's __dict__
