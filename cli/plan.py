@@ -20,7 +20,8 @@ def plan(
     (the controller's models with the device profile's priors)."""
     from nereus.cli.configs import resolve_config
     from nereus.trainer.config import ConfigError
-    from nereus.trainer.plan_report import plan_json, plan_table, run_search
+    from nereus.trainer.controller.report import plan_json, plan_table
+    from nereus.trainer.prepare import run_search
 
     overrides = list(set_) + ([f"nproc={nproc}"] if nproc is not None else [])
     try:

@@ -34,7 +34,8 @@ def train(
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="The job's rendezvous id, the same on every node (several nodes)."),
 ) -> None:
     """Post-train with PPO or GRPO, each model-stage in its own TP/PP/DP layout."""
-    from nereus.trainer.config import ConfigError, load_config
+    from nereus.trainer.config import ConfigError
+    from nereus.trainer.prepare import load_config
 
     check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)  # before anything in the run dir changes
 
@@ -77,7 +78,8 @@ def preflight(cfg) -> None:
     """What the workers will need, checked here once before any launch (exit 2 with one
     line): the device, the trackers' packages, model directories, data files, tokenizer and
     reward function."""
-    from nereus.trainer.config import ConfigError, resolve_device
+    from nereus.trainer.config import ConfigError
+    from nereus.trainer.prepare import resolve_device
     from nereus.trainer.data.rewards import RewardError
     from nereus.trainer.data.prompts import check_inputs
     from nereus.trainer.metrics.trackers import check_trackers

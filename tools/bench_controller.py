@@ -75,7 +75,7 @@ def scale_config(n: int):
     """PPO on Llama-3.1-8B shapes with a reward model, on ``n`` H200s (module docstring)."""
     import yaml
 
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
 
     data = yaml.safe_load(LLAMA.read_text())
     model = {k: v for k, v in data["model"].items() if k != "path"}
@@ -149,7 +149,7 @@ def calibration(warmup: int = 2, steps: int = 4, keep: Path | None = None) -> di
     """Section 2 of the module docstring. ``keep``: a folder that keeps each layout's
     metrics lines (``<i>.jsonl``, in ``CALIBRATE + PREDICT`` order) for study; when it holds
     them already, they are read instead of run."""
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="nereus-bench-controller-") as tmp:
@@ -237,7 +237,7 @@ def summarize(lines: list[dict], budget: float) -> dict:
 
 
 def tiny_grow() -> dict:
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
 
     base = load_config(TINY_GROW)
     budget = base.device_memory_gib * 2**30

@@ -165,7 +165,7 @@ def _time_restores(staged_root: str, durable_root: str, config_path: str, repeat
     """One worker: build the trainer in the run's plan, time restores from both sources."""
     import torch.distributed as dist
 
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.runtime.step import Trainer
     from nereus.trainer.runtime.worker import join_process_group
 

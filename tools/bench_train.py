@@ -137,7 +137,7 @@ def nereus_config(algo: str, nproc: int, steps: int, run_dir: str) -> dict:
 def run_nereus(algo: str, nproc: int, warmup: int, steps: int) -> dict:
     """One ``nereus train`` job of warmup + steps steps; the measured steps' figures."""
     from nereus.launch import launch_local
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.runtime.worker import run_worker
 
     with tempfile.TemporaryDirectory(prefix="nereus-bench-train-") as run_dir:
@@ -260,7 +260,7 @@ def run_layout_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
     layout-invariance figures of their first steps (module docstring)."""
     import numpy as np
 
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.runtime.layout_check import compare, run_layouts, state_kind
 
     rows, results = [], []
@@ -320,7 +320,7 @@ def run_recompute_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
     second launch, the training stages' activation peak — the tensor bytes their forward and
     backward allocate beyond what was alive before (``StageMeter(tensors=...)``, second step;
     the highest rank)."""
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.runtime.layout_check import run_layouts
 
     rows, figures = [], {}
@@ -351,7 +351,7 @@ def run_packing_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
     """The varied-length job padded and packed (``PACK_TOKENS`` per micro-batch on every
     training and inference stage): median step seconds and the inference and training
     seconds, the stages packing changes (generation is the same in both)."""
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.runtime.layout_check import compare, run_layouts
 
     with tempfile.TemporaryDirectory(prefix="nereus-bench-packing-") as run_dir:

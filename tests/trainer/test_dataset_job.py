@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from nereus.cli.app import app
 from nereus.store.checkpoint import CheckpointStore
-from nereus.trainer.config import ConfigError, load_config
+from nereus.trainer.config import ConfigError
+from nereus.trainer.prepare import load_config
 from tests.distributed_harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ from dataclasses import replace
 import pytest
 
 from nereus.launch import own_result, parse_nnodes, rendezvous_timeout
-from nereus.trainer.config import ConfigError, load_config
+from nereus.trainer.config import ConfigError
+from nereus.trainer.prepare import load_config
 from nereus.trainer.elastic.staging import check_staged, choose_sources, plan_digest
 from tests.distributed_harness import run_distributed
 

@@ -29,7 +29,7 @@ import os
 import numpy as np
 import pytest
 
-from nereus.trainer.config import load_config
+from nereus.trainer.prepare import load_config
 from nereus.trainer.runtime.layout_check import compare, run_layouts, state_kind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

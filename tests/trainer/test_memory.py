@@ -39,7 +39,7 @@ def test_tensor_peak_counts_what_is_alive_at_once():
 
 def _measure(rank: int, world: int, overrides: list[str]) -> dict:
     import nereus.trainer.runtime.step as loop
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.controller.memory import plan_memory
     from nereus.trainer.runtime.stages import infer
 

@@ -181,7 +181,7 @@ def test_the_trainer_recomputes_with_a_lower_measured_peak_and_the_same_update(t
     """Through ``nereus train``'s own step (FSDP2 over dp2, 4 layers, 40-token responses):
     actor.train's measured activation peak (tensor bytes its forward and backward allocate,
     ``StageMeter(tensors=...)``) falls with recompute, and the update stays bit for bit."""
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.runtime.layout_check import compare, run_layouts
 
     cfg = load_config("configs/tiny_grpo.yaml", [

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from nereus.cli.app import app
 from nereus.store.checkpoint import CheckpointStore, load_checkpoint
 from nereus.store.job import plan_config, read_job
-from nereus.trainer.config import load_config
+from nereus.trainer.prepare import load_config
 from nereus.trainer.elastic.resume import resume_config, runs_on
 from nereus.trainer.data.tasks import build_task, chance_reward
 from tests.distributed_harness import run_distributed

@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from nereus.trainer.config import ConfigError, load_config
+from nereus.trainer.config import ConfigError
+from nereus.trainer.prepare import load_config
 from nereus.trainer.runtime.lr_schedule import LRSchedule, attach, optimizer_step_count, plan_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -203,7 +204,8 @@ def test_the_lr_continues_exactly_after_a_restore_on_another_world_size(tmp_path
 
 
 def test_a_schedule_that_cannot_decay_or_a_floor_without_decay_is_refused():
-    from nereus.trainer.config import ConfigError, load_config
+    from nereus.trainer.config import ConfigError
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.runtime.lr_schedule import warmup_from_ratio
 
     assert warmup_from_ratio(0.29, 100) == 29

@@ -14,7 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from nereus.cli.app import app
-from nereus.trainer.config import ConfigError, LoggingConfig, load_config
+from nereus.trainer.config import ConfigError, LoggingConfig
+from nereus.trainer.prepare import load_config
 from nereus.trainer.metrics.log import MetricsLog, flatten
 from nereus.trainer.metrics.trackers import Console, console_line, missing_trackers
 

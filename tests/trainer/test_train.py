@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from nereus.cli.app import app
 from nereus.store.checkpoint import CheckpointStore
-from nereus.trainer.config import load_config
+from nereus.trainer.prepare import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")

@@ -29,7 +29,7 @@ def _poisoned_step(rank: int, world: int, overrides: list[str], poisoned: int, w
     loss of its first micro-batch (mini-batch 1); ``"grad"``, the critic's gradient of one
     parameter once mini-batch 1 has stepped (mini-batch 2; the loss stays finite)."""
     from nereus.trainer.algos import ppo
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.runtime.step import Trainer
 
     trainer = Trainer(load_config(TINY_PPO, overrides))
@@ -92,7 +92,7 @@ def test_an_infinite_gradient_in_the_second_minibatch_stops_before_its_step(tmp_
 
 def _bf16_step(rank: int, world: int, overrides: list[str]) -> dict:
     from nereus.reshard.gather import gather_full
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
     from nereus.trainer.runtime.step import Trainer
 
     trainer = Trainer(load_config(TINY_PPO, overrides))

@@ -25,7 +25,8 @@ from nereus.reshard.errors import LayoutError
 from nereus.reshard.layout import ParallelConfig, local_buffers
 from nereus.reshard.plan import plan_transfers
 from nereus.reshard.reference import reference_box, reference_state
-from nereus.trainer.config import ConfigError, load_config
+from nereus.trainer.config import ConfigError
+from nereus.trainer.prepare import load_config
 from nereus.trainer.rollout.generator import generate
 from nereus.trainer.models.decoder import ModelArgs
 from nereus.trainer.runtime.stages import _check_engine
@@ -359,7 +360,7 @@ def test_engine_vllm_without_vllm_is_a_one_line_error_before_any_worker_starts(m
     from typer.testing import CliRunner
 
     from nereus.cli.app import app
-    from nereus.trainer.config import resolve_device
+    from nereus.trainer.prepare import resolve_device
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as in a venv without vllm
     assert "has no module 'vllm'" in vllm_missing()
@@ -703,7 +704,7 @@ def test_vllm_engine_generates_from_the_weights_reshard_writes(monkeypatch):
 def test_what_vllm_on_cpu_cannot_run_is_a_config_error_before_any_worker():
     """tp > 1 and head sizes without a CPU kernel (the 16 of tiny_grpo), checked without vllm;
     the search offers actor.gen tp=1 only on the CPU profile."""
-    from nereus.trainer.config import _check_vllm_on_cpu
+    from nereus.trainer.prepare import _check_vllm_on_cpu
     from nereus.trainer.controller.profiles import load_profile
     from nereus.trainer.controller.search import stage_options
     from nereus.trainer.controller.workload import Workload

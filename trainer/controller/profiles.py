@@ -25,7 +25,7 @@ from typing import Mapping
 
 import yaml
 
-from ..config import _Loader as YAML12Loader
+from ..config import YamlLoader as YAML12Loader
 
 LINK_CLASSES = ("local", "intra", "inter")
 DTYPES = ("float32", "float64", "bfloat16", "float16")

@@ -45,7 +45,8 @@ import numpy as np
 from nereus.reshard.derive import check_tp
 from nereus.reshard.errors import LayoutError
 
-from ..config import ConfigError, JobConfig, PlanConfig, StageConfig, longest_row
+from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
+from ..data.tasks import longest_row
 from ..models.args import model_args
 from .candidates import RECOMPUTE, Candidates, kept_of
 from .classes import MemoryFit, _Classes, layout_kind, rank_class  # noqa: F401 - re-exported (online, simulate, tests)
@@ -120,7 +121,7 @@ def _stage_candidates(cfg: JobConfig, key: str, ranks: tuple[int, ...], rows: in
     explicit = None if ranks == tuple(range(cfg.nproc)) else ranks
     longest = longest_row(cfg)
     layouts, knobs = [], []  # per layout: its (micro_batch_size, micro_batch_tokens, recompute) rows
-    max_tp = 1 if vllm and cfg.device_profile == "cpu" else (limits.max_tp or n)  # vLLM's CPU build: tp=1 (config.py)
+    max_tp = 1 if vllm and cfg.device_profile == "cpu" else (limits.max_tp or n)  # vLLM's CPU build: tp=1 (prepare.py)
     for tp in _pow2(min(n, max_tp)):
         try:
             check_tp(spec, tp)

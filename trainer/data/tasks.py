@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..config import TaskConfig
+    from ..config import JobConfig, TaskConfig
 
 VOCAB: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", *"0123456789", "=", "+", ":")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -197,6 +197,17 @@ def build_task(cfg: TaskConfig, step: int | None = None) -> Task:
         done = 1.0 if step is None or cfg.grow_steps <= 0 else min(1.0, step / cfg.grow_steps)
         length = cfg.response_len + round((cfg.grow_to - cfg.response_len) * done)
     return make_task(cfg.name, digits=cfg.digits, response_len=length)
+
+
+def longest_task(cfg: TaskConfig) -> Task:
+    """The task at its longest (the end of a length curriculum)."""
+    return make_task(cfg.name, digits=cfg.digits, response_len=max(cfg.response_len, cfg.grow_to or 0))
+
+
+def longest_row(cfg: JobConfig) -> int:
+    """The most tokens one rollout row can hold: the longest prompt plus ``rollout.max_new_tokens``."""
+    prompt = cfg.data.max_prompt_length if cfg.data is not None else longest_task(cfg.task).prompt_len
+    return prompt + cfg.rollout.max_new_tokens
 
 
 def chance_reward(task: Task, max_new_tokens: int, *, prompts: int = 4096, seed: int = 0) -> float:

@@ -25,7 +25,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from ..config import ConfigError, JobConfig, PlanConfig, _build, load_config, validate
+from ..config import ConfigError, JobConfig, PlanConfig, build_tree
+from ..prepare import check_job, load_config
 
 
 def _saved_plan(run_dir: str) -> Mapping | None:
@@ -64,8 +65,8 @@ def resumed_plan(cfg: JobConfig) -> JobConfig:
     saved = _saved_plan(cfg.run_dir)
     if not saved:
         return cfg
-    resumed = replace(cfg, plan=_build(PlanConfig, saved, "plan."))
-    validate(resumed)
+    resumed = replace(cfg, plan=build_tree(PlanConfig, saved, "plan."))
+    check_job(resumed)
     return resumed
 
 
@@ -101,7 +102,7 @@ def resume_config(run_dir: str, *, nproc: int | None = None, overrides: Sequence
     n = nproc if nproc is not None else int(data.get("nproc", 1))
     if given:
         return load_config(data, over), "the checkpoint's plan with " + ", ".join(o.partition("=")[0] for o in given)
-    if runs_on(_build(PlanConfig, saved, "plan."), n):
+    if runs_on(build_tree(PlanConfig, saved, "plan."), n):
         return load_config(data, over), f"the checkpoint's plan (it runs on {n} ranks)"
     return load_config({**data, "plan": "auto"}, over), f"planned for {n} ranks by the controller (the checkpoint's plan needs another world)"
 
@@ -127,15 +128,15 @@ def plan_for_world(cfg: JobConfig, saved: Mapping | None, world: int) -> tuple[J
     controller's search chooses for ``world`` ranks (the world changed size)."""
     cfg = cfg if cfg.nproc == world else replace(cfg, nproc=world)
     if saved:
-        plan = _build(PlanConfig, saved, "plan.")
+        plan = build_tree(PlanConfig, saved, "plan.")
         if runs_on(plan, world):
             if plan == cfg.plan:
                 return cfg, "the restored state's plan"
             resumed = replace(cfg, plan=plan)
-            validate(resumed)
+            check_job(resumed)
             return resumed, "the restored state's plan"
     if runs_on(cfg.plan, world):
-        validate(cfg)
+        check_job(cfg)
         return cfg, "the launch's plan"
     from ..config import config_to_dict
 

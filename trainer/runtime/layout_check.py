@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from nereus.reshard.gather import gather_full
 
-from ..config import JobConfig, config_to_dict, load_config
+from ..config import JobConfig, config_to_dict
+from ..prepare import load_config
 from ..metrics.log import flatten, peak_memory_bytes
 
 TIMING_KEYS = ("stage_seconds", "step_seconds", "tokens_per_s", "peak_memory_bytes", "peak_device_memory_bytes", "stages", "syncs")

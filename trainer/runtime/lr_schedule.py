@@ -29,10 +29,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..config import lr_schedules, warmup_from_ratio
+
 if TYPE_CHECKING:
     import torch
 
-    from ..config import JobConfig, LRScheduleConfig
+    from ..config import JobConfig
 
 
 @dataclass(frozen=True, kw_only=True)  # no slots: LambdaLR.state_dict copies a callable's __dict__
@@ -62,14 +64,6 @@ def lr_factor(step: int, *, total: int, warmup: int = 0, decay: str = "constant"
     raise ValueError(f"decay must be constant, linear or cosine; got {decay!r}")
 
 
-def lr_schedules(cfg: JobConfig) -> dict[str, LRScheduleConfig]:
-    """Config key -> schedule section of each trained model of the job, by model-stage order
-    (actor, then the critic under PPO)."""
-    if cfg.algorithm == "ppo":
-        return {"ppo.lr_schedule": cfg.ppo.lr_schedule, "ppo.critic_lr_schedule": cfg.ppo.critic_lr_schedule}
-    return {"grpo.lr_schedule": cfg.grpo.lr_schedule}
-
-
 def plan_schedule(cfg: JobConfig, stage: str) -> LRSchedule:
     """The schedule of a training model-stage (``actor.train``, ``critic.train``); pure."""
     sections = list(lr_schedules(cfg).values())
@@ -77,11 +71,6 @@ def plan_schedule(cfg: JobConfig, stage: str) -> LRSchedule:
     total = cfg.steps * cfg.optimizer_steps_per_step
     warmup = section.warmup_steps if section.warmup_steps is not None else warmup_from_ratio(section.warmup_ratio, total)
     return LRSchedule(total=total, warmup=warmup, decay=section.decay, min_lr_ratio=section.min_lr_ratio)
-
-
-def warmup_from_ratio(ratio: float, total: int) -> int:
-    """⌊ratio · total⌋, rounded first so that 0.29 · 100 is 29 (not 28.999… → 28)."""
-    return int(math.floor(round(ratio * total, 9)))
 
 
 def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int:

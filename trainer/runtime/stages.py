@@ -184,7 +184,7 @@ def _vllm_stage(cfg: JobConfig, key: str, args: ModelArgs, config: ParallelConfi
 
 
 def _check_engine(key: str, sc: StageConfig, engine: str = "builtin") -> None:
-    """The rollout engine runs this plan (``trainer/config.py`` checks the same when loading)."""
+    """The rollout engine runs this plan (``trainer/prepare.py`` checks the same when loading)."""
     if key == "actor.gen" and engine == "vllm":
         if not sc.fused:
             raise ValueError("plan 'actor.gen': the vllm engine writes into vLLM's fused buffers, set fused: true")

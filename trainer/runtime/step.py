@@ -55,7 +55,8 @@ from nereus.reshard.stream import StagingArena
 from ..algos import grpo, ppo
 from . import lr_schedule
 from ..algos.advantages import kl_k1, masked_mean, minibatch_indices
-from ..config import JobConfig, config_to_dict, resolve_device
+from ..config import JobConfig, config_to_dict
+from ..prepare import resolve_device
 from ..rollout.generator import generate
 from ..models.decoder import ModelArgs
 from ..metrics.log import peak_memory

@@ -253,12 +253,12 @@ class JobControl:
         message = [decision.new_plan if decision is not None and decision.admitted else None]
         dist.broadcast_object_list(message, src=0)
         if message[0] is not None:
-            from ..config import PlanConfig, _build
+            from ..config import PlanConfig, build_tree
 
             from nereus.reshard.errors import TransitionTimeout
 
             try:
-                done = trainer.apply_plan(_build(PlanConfig, message[0], "plan."), verify=trainer.cfg.controller.verify)
+                done = trainer.apply_plan(build_tree(PlanConfig, message[0], "plan."), verify=trainer.cfg.controller.verify)
             except TransitionTimeout as e:  # the group may hold pending ops: no collective on it again
                 raise RuntimeError(
                     f"plan transition at step {metrics['step']} timed out: {e}. The process group cannot be reused: restart "

@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 import yaml
 
-from ..config import ConfigError, JobConfig, _build, _Loader, load_config
+from ..config import ConfigError, JobConfig, YamlLoader, build_tree
+from ..prepare import load_config
 from ..controller.profiles import Link, ProfileError, load_profile
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "simulate" / "models"
@@ -73,7 +74,7 @@ class Cluster:
         for cls, given in (self.links or {}).items():
             if cls not in links:
                 raise SimulateError(f"cluster key 'links.{cls}': unknown link class; known: {', '.join(links)}")
-            over = _build(LinkInput, given or {}, f"links.{cls}.")
+            over = build_tree(LinkInput, given or {}, f"links.{cls}.")
             for key in ("bandwidth", "latency"):
                 value = getattr(over, key)
                 if value is not None and value <= 0:
@@ -176,7 +177,7 @@ def _read(path: str | os.PathLike, what: str) -> dict:
     if not os.path.isfile(path):
         raise SimulateError(f"{what} file {os.fspath(path)!r} does not exist")
     try:
-        data = yaml.load(Path(path).read_text(), Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(Path(path).read_text(), Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise SimulateError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):
@@ -196,7 +197,7 @@ def build(cls: type, data: dict, prefix: str = "") -> Any:
         if free[key] is not None and not isinstance(free[key], (dict, str)):
             raise SimulateError(f"{prefix}{key} must be a mapping, got {type(free[key]).__name__} {free[key]!r}")
     truth = data.pop("truth", None) if cls is JobInput else None
-    out = _build(cls, data, prefix)
+    out = build_tree(cls, data, prefix)
     if truth is not None:
         if not isinstance(truth, dict):
             raise SimulateError(f"job key 'truth' must be a mapping, got {truth!r}")

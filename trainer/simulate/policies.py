@@ -42,7 +42,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from ..config import ConfigError, JobConfig, PlanConfig, StageConfig, _build
+from ..config import ConfigError, JobConfig, PlanConfig, StageConfig, build_tree
 from ..controller.memory import HEADROOM
 from ..controller.admission import DriftWatch
 from ..controller.online import Controller, plan_key
@@ -211,7 +211,7 @@ class Adaptive(Policy):
         return decision.admitted
 
     def _apply(self, t: TraceStep, decision, cfg: JobConfig, kind: str = "transition") -> Move:
-        new_plan = _build(PlanConfig, decision.new_plan, "plan.")
+        new_plan = build_tree(PlanConfig, decision.new_plan, "plan.")
         old = self.cfg
         if kind == "world":
             big = dataclasses.replace(cfg, nproc=max(old.nproc, cfg.nproc))
@@ -263,7 +263,7 @@ class Adaptive(Policy):
         """The world changed and no live move fits the memory: the workers restart on ``n``
         devices in the controller's plan for them (``nereus resume``'s path), from the staged
         state; the controller keeps its state (``state_dict``), its calibration with it."""
-        old, new_plan = self.cfg, _build(PlanConfig, decision.new_plan, "plan.")
+        old, new_plan = self.cfg, build_tree(PlanConfig, decision.new_plan, "plan.")
         self.cfg = dataclasses.replace(old, nproc=n, plan=new_plan)
         state = self.controller.state_dict()
         self.controller = self._controller(self.cfg, run_dir=self.controller.run_dir, first_step=t.step)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError
+from ..prepare import load_config
 from .inputs import Cluster, JobInput, SimulateError, TruthInput
 from .run import SimResult, simulate
 from .traces import from_run, run_records

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from nereus.cli.app import app
-from nereus.trainer.config import ConfigError, load_config
+from nereus.trainer.config import ConfigError
+from nereus.trainer.prepare import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 runner = CliRunner()

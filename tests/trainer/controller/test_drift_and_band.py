@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from nereus.trainer.config import load_config
+from nereus.trainer.prepare import load_config
 from nereus.trainer.controller import online
 from nereus.trainer.controller.admission import difference_spread
 from nereus.trainer.controller.online import MIN_BAND, Controller

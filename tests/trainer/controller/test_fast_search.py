@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from nereus.trainer.config import load_config
+from nereus.trainer.prepare import load_config
 from nereus.trainer.controller.memory import HEADROOM, pipeline_memory
 from nereus.trainer.controller.profiles import load_profile
 from nereus.trainer.controller.search import (

@@ -40,7 +40,7 @@ def _new_plan(cfg):
 
 def _transition(rank: int, world: int, run_dir: str, fail_on: int | None) -> dict:
     import nereus.trainer.runtime.step as loop
-    from nereus.trainer.config import load_config
+    from nereus.trainer.prepare import load_config
 
     cfg = load_config(TINY_PPO, [*SMALL, f"run_dir={run_dir}"])
     trainer = loop.Trainer(cfg)

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from nereus.trainer.config import StageConfig, load_config
+from nereus.trainer.config import StageConfig
+from nereus.trainer.prepare import load_config
 from nereus.trainer.controller.candidates import layout_of
 from nereus.trainer.controller.memory import (
     HEADROOM,

@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from nereus.trainer.config import ConfigError, load_config
+from nereus.trainer.config import ConfigError
+from nereus.trainer.prepare import load_config
 from nereus.trainer.controller.admission import DriftWatch, admit, difference_spread
 from nereus.trainer.controller.memory import HEADROOM, pipeline_memory
 from nereus.trainer.controller.online import Controller
@@ -186,9 +187,9 @@ def test_alternating_measurements_do_not_make_the_plan_go_back_and_forth(tmp_pat
         controller.observe(cfg, metrics)
         decision = controller.decide(cfg, metrics)
         if decision is not None and decision.admitted:
-            from nereus.trainer.config import PlanConfig, _build
+            from nereus.trainer.config import PlanConfig, build_tree
 
-            cfg = dataclasses.replace(cfg, plan=_build(PlanConfig, decision.new_plan, "plan."))
+            cfg = dataclasses.replace(cfg, plan=build_tree(PlanConfig, decision.new_plan, "plan."))
             plans.append(cfg.plan)
     assert len(plans) <= 2, [p.stages()["actor.train"] for p in plans]
     lines = (tmp_path / "transitions.jsonl").read_text().splitlines()

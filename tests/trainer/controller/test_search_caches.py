@@ -12,7 +12,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from nereus.trainer.config import load_config
+from nereus.trainer.prepare import load_config
 from nereus.trainer.controller import classes as ranks_classes
 from nereus.trainer.controller import search as searching
 from nereus.trainer.controller.candidates import Candidates, kept_of

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from nereus.trainer.config import config_to_dict, load_config
+from nereus.trainer.config import config_to_dict
+from nereus.trainer.prepare import load_config
 from nereus.trainer.simulate.inputs import Cluster, TruthInput
 from nereus.trainer.simulate.replay import compare, compare_markdown, replay
 from nereus.trainer.simulate.traces import TraceStep

@@ -97,7 +97,8 @@ def test_trace_spec_errors_name_the_key():
 
 
 def test_from_run_reads_a_runs_lengths(tmp_path):
-    from nereus.trainer.config import config_to_dict, load_config
+    from nereus.trainer.config import config_to_dict
+    from nereus.trainer.prepare import load_config
 
     cfg = load_config("configs/tiny_ppo.yaml", [f"run_dir={tmp_path}"])
     (tmp_path / "config.json").write_text(json.dumps(config_to_dict(cfg)))

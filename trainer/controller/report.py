@@ -1,35 +1,13 @@
-"""What ``nereus plan`` prints: the search's plans as a table or JSON (pure)."""
+"""What ``nereus plan`` prints: the search's plans as a table or JSON (pure).
+
+``trainer/prepare.py``'s ``run_search`` loads the job and searches; these format the result.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from .config import ConfigError, JobConfig, config_to_dict, load_config
-from .controller.memory import GIB
-from .controller.profiles import ProfileError, load_profile
-from .controller.search import PlanChoice, SearchResult, plan_seconds, search
-from .controller.steptime import Placement, StepTimeModel
-from .controller.workload import Workload
-
-
-def run_search(source, overrides: Sequence[str], *, top: int = 5) -> tuple[JobConfig, SearchResult, dict | None, str | None]:
-    """Load the job and search its plans; also price the config's own plan. When that plan
-    cannot run here (another ``--nproc``, a tighter budget), the search plans alone
-    (``plan: auto``): no price, and the reason it was skipped. Errors the search shares
-    (unknown keys, a budget no plan fits) are raised."""
-    try:
-        cfg, skipped = load_config(source, list(overrides)), None
-    except ConfigError as e:
-        cfg, skipped = load_config(source, [*overrides, "plan=auto"]), str(e)
-    try:
-        profile = load_profile(cfg.device_profile)
-    except ProfileError as e:
-        raise ConfigError(f"config key 'device_profile': {e}") from None
-    work = Workload.from_config(cfg)
-    result = search(cfg, work, profile, top=top)
-    if skipped is not None:
-        return cfg, result, None, skipped
-    return cfg, result, plan_seconds(cfg, cfg.plan, work, Placement(nproc=cfg.nproc, profile=profile), StepTimeModel.for_profile(profile)), None
+from ..config import JobConfig, config_to_dict
+from .memory import GIB
+from .search import PlanChoice, SearchResult
 
 
 def _label(sc) -> str:

@@ -1,0 +1,48 @@
+"""The job config: one typed tree, its YAML loader and the checks the tree alone can make. No torch.
+
+- ``schema``  the tree: typed frozen dataclasses (``JobConfig`` and its sections), ``ConfigError``
+- ``loader``  YAML 1.2 scalars, ``--set key.sub=value`` overrides, the typed build with did-you-mean
+- ``checks``  values in range, the plan against the world and the models' shapes
+
+The ground floor of ``trainer/``: it imports no other trainer folder. The whole path from a
+YAML file to a runnable job (HF directories, the vocabulary, ``plan: auto``, the checks that
+need the other rooms) is ``trainer/prepare.py``'s ``load_config``.
+"""
+
+from .checks import check_config
+from .loader import YamlLoader, apply_overrides, build_tree, config_to_dict
+from .schema import (
+    MIN_COLLECTIVE_TIMEOUT_S,
+    ActorPlan,
+    ConfigError,
+    ControllerConfig,
+    CriticPlan,
+    DataConfig,
+    ElasticConfig,
+    GRPOConfig,
+    InferPlan,
+    JobConfig,
+    LoggingConfig,
+    LRScheduleConfig,
+    ModelConfig,
+    PlanConfig,
+    PPOConfig,
+    RewardConfig,
+    RolloutConfig,
+    RopeScalingConfig,
+    StageConfig,
+    TaskConfig,
+    TokenizerConfig,
+    ValidationConfig,
+    decoder_spec,
+    lr_schedules,
+    warmup_from_ratio,
+)
+
+__all__ = [
+    "MIN_COLLECTIVE_TIMEOUT_S", "ActorPlan", "ConfigError", "ControllerConfig", "CriticPlan", "DataConfig", "ElasticConfig",
+    "GRPOConfig", "InferPlan", "JobConfig", "LRScheduleConfig", "LoggingConfig", "ModelConfig", "PPOConfig", "PlanConfig",
+    "RewardConfig", "RolloutConfig", "RopeScalingConfig", "StageConfig", "TaskConfig", "TokenizerConfig", "ValidationConfig",
+    "YamlLoader", "apply_overrides", "build_tree", "check_config", "config_to_dict", "decoder_spec", "lr_schedules",
+    "warmup_from_ratio",
+]

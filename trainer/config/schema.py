@@ -1,0 +1,404 @@
+"""The job config's tree: typed frozen dataclasses, and the few pure facts read off them.
+
+Nothing here reads a file or checks a value: ``loader.py`` builds the tree from YAML,
+``checks.py`` checks what the tree alone can say, and ``trainer/prepare.py`` what needs the
+other rooms (the model's directory, the tokenizer, the task, the controller's memory model).
+
+The plan places each model-stage (``actor.train``, ``actor.gen``, ``critic.train``,
+``critic.infer``, ``ref.infer``, ``reward.infer``) on global ranks with its own (dp, tp, pp);
+ranks default to all ``nproc`` ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from nereus.reshard.derive import DecoderSpec
+from nereus.reshard.layout import ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message names the dotted key at fault."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScalingConfig:
+    """Llama 3.1's RoPE frequency scaling, as its config.json's ``rope_scaling``."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """Decoder shapes (Llama/Qwen2 family). With ``path`` (an HF directory) the weights come
+    from there; the sizes are still required, because plans are validated before any file is
+    read, and the model builder checks them against the directory's config.json."""
+
+    path: str | None = None
+    vocab_size: int | None = None  # None: the task's vocabulary (models trained from scratch)
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # compute dtype; training keeps fp32 masters
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig | None = None
+    rms_norm_eps: float = 1e-6
+    max_seq_len: int = 32
+    init_std: float = 0.02  # std of the normal init of matrices (models trained from scratch)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskConfig:
+    name: Literal["repeat", "count"] = "repeat"  # see trainer/data/tasks.py
+    digits: int = 3  # digits in the prompt
+    response_len: int = 6  # answer digits before <eos>
+    grow_to: int | None = None  # a length curriculum: the answer grows to this many digits ...
+    grow_steps: int = 0  # ... linearly over this many steps (trainer/data/tasks.py task_at_step)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """A prompt dataset (``trainer/data/datasets.py``): verl's parquet schema as it is, or a plain one.
+
+    verl's rows: ``data_source``, ``prompt`` (chat messages), ``reward_model.ground_truth``,
+    ``extra_info``. Plain rows: ``prompt_key`` (text or messages) and ``answer_key``."""
+
+    train_files: tuple[str, ...] = ()  # parquet, JSONL, or a directory saved by HF datasets; a string is one file
+    val_files: tuple[str, ...] = ()
+    prompt_key: str = "prompt"  # text, or chat messages rendered with the tokenizer's chat template
+    answer_key: str | None = None  # None: verl's reward_model.ground_truth
+    max_prompt_length: int = 512  # tokens, after the chat template
+    filter_overlong_prompts: bool = False  # drop longer prompts (counted and logged); False: an error naming the row
+    shuffle: bool = True  # a seeded permutation per epoch (the job's seed)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenizerConfig:
+    path: str | None = None  # None: model.path's own tokenizer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardConfig:
+    """Rule rewards of a dataset job (``trainer/data/rewards.py``); a ``reward_model`` replaces them."""
+
+    function: str | None = None  # "path/to/file.py:compute_score" or "module:function", verl's signature
+    builtin: Literal["auto", "gsm8k", "math"] = "auto"  # without function; auto: by each row's data_source
+    on_error: Literal["raise", "zero"] = "raise"  # zero: a failed call scores 0 and is counted in the metrics
+    timeout_s: float = 30.0  # per call
+    workers: int = 2  # processes per rank that run the function
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidationConfig:
+    every: int = 0  # steps between validations (and one before the first step); 0: never
+    at_start: bool = True  # validate before the first step too
+    temperature: float = 0.0  # greedy by default
+    top_p: float = 1.0
+    max_new_tokens: int | None = None  # None: rollout.max_new_tokens
+    max_prompts: int | None = None  # None: the whole validation set
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ignore_eos: bool = False  # keep sampling past <eos> (vLLM's SamplingParams.ignore_eos): fixed-length rollouts
+    engine: Literal["builtin", "vllm"] = "builtin"  # vllm: trainer/rollout/vllm_engine.py, needs plan.actor.gen.fused
+    gpu_memory_utilization: float = 0.5  # vllm only: its share of each GPU (weights + KV cache), as vLLM's LLM(...)
+
+
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LRScheduleConfig:
+    """One optimizer's learning rate over the run, counted in optimizer steps (the trainer
+    takes epochs × mini-batches of them per RL step): a linear warmup, then constant, linear
+    or cosine decay to ``min_lr_ratio`` × lr at the run's last optimizer step
+    (``trainer/runtime/lr_schedule.py``). verl's ``lr_warmup_steps`` / ``lr_warmup_steps_ratio`` /
+    ``lr_scheduler_type`` / ``min_lr_ratio``, torchtitan's ``lr_scheduler``; verl counts its
+    warmup in RL steps, this in optimizer steps."""
+
+    warmup_steps: int | None = None  # optimizer steps of warmup; None: warmup_ratio of the run's optimizer steps
+    warmup_ratio: float = 0.0  # fraction of the run's optimizer steps (rounded down); set one of the two
+    decay: Literal["constant", "linear", "cosine"] = "constant"  # after the warmup
+    min_lr_ratio: float = 0.0  # linear/cosine: the floor, as a fraction of lr, reached at the last optimizer step
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PPOConfig:
+    lr: float = 1e-3
+    critic_lr: float = 1e-3
+    clip: float = 0.2  # ratio clip ε
+    value_clip: float = 0.2
+    kl_coef: float = 0.01  # β
+    kl_in_reward: bool = True  # k1 penalty in the token rewards; False: k3 loss term
+    gamma: float = 1.0
+    lam: float = 0.95
+    epochs: int = 2
+    minibatch_size: int = 16
+    whiten: bool = True
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    loss_agg: LossAgg = "token_mean"  # trainer/algos/ppo.py, "Aggregation"
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # the actor's
+    critic_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GRPOConfig:
+    lr: float = 1e-3
+    clip: float = 0.2
+    kl_coef: float = 0.01  # β of the k3 loss term
+    scale_by_std: bool = True  # False: no std in the advantage (Dr. GRPO with loss_agg: seq_mean_token_sum)
+    eps: float = 1e-4
+    epochs: int = 2
+    minibatch_size: int = 16
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    loss_agg: LossAgg = "token_mean"  # seq_mean_token_sum with scale_by_std: false is Dr. GRPO
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+
+
+Recompute = Literal["none", "full", "selective"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageConfig:
+    """Parallel config of one model-stage; ``ranks`` None = all ranks 0 … nproc−1."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ranks: tuple[int, ...] | None = None
+    dp_shard: bool = False  # shard state over dp (FSDP2) instead of replicating it
+    fused: bool = False  # actor.gen only: vLLM-style fused qkv / gate_up buffers
+    micro_batch_size: int | None = None  # train/infer stages: rows per forward of a replica (verl's *_micro_batch_size_per_gpu)
+    micro_batch_tokens: int | None = None  # train/infer stages: pack rows, padding removed, into micro-batches of at most this many tokens (verl's ppo_max_token_len_per_gpu)
+    recompute: Recompute = "none"  # train stages: activation checkpointing per transformer block (selective: every other block)
+
+    def label_parts(self) -> list[str]:
+        """The layout in words for logs and tables (``dp2``, ``tp2``, ``fsdp``, ``mb16``,
+        ``tok4096``, ``ac-full``), without the ranks."""
+        parts = [f"{k}{getattr(self, k)}" for k in ("dp", "tp", "pp") if getattr(self, k) > 1] or ["dp1"]
+        parts += ["fsdp"] if self.dp_shard and self.dp > 1 else []
+        parts += [f"mb{self.micro_batch_size}"] if self.micro_batch_size else []
+        parts += [f"tok{self.micro_batch_tokens}"] if self.micro_batch_tokens else []
+        parts += [f"ac-{self.recompute}"] if self.recompute != "none" else []
+        parts += ["fused"] if self.fused else []
+        return parts
+
+    def parallel_config(self, nproc: int) -> ParallelConfig:
+        ranks = self.ranks if self.ranks is not None else tuple(range(nproc))
+        return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, ranks=ranks)
+
+    def micro_batches(self, rows: int) -> int:
+        """How many micro-batches one replica splits its ``rows`` into (pure).
+
+        With ``micro_batch_size``: ``rows / micro_batch_size``, which the config check
+        requires to be whole. Without it: one per pipeline stage where the rows allow, i.e.
+        the largest divisor of ``rows`` that is at most pp (pipelining needs equal
+        micro-batches). The loss of every micro-batch is normalised by the whole mini-batch
+        (``trainer/algos/ppo.py``, "Aggregation"), so the micro-batch size changes time and
+        memory, never the update.
+        """
+        if rows < 1:
+            return 1
+        if self.micro_batch_size is not None:
+            return max(1, rows // self.micro_batch_size)
+        return max(n for n in range(1, min(self.pp, rows) + 1) if rows % n == 0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActorPlan:
+    train: StageConfig
+    gen: StageConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CriticPlan:
+    train: StageConfig | None = None
+    infer: StageConfig | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InferPlan:
+    infer: StageConfig | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanConfig:
+    actor: ActorPlan
+    critic: CriticPlan | None = None
+    ref: InferPlan | None = None
+    reward: InferPlan | None = None
+
+    def stages(self) -> dict[str, StageConfig]:
+        """The model-stages this plan places, by dotted name ("actor.train", …)."""
+        out: dict[str, StageConfig] = {}
+        for model in ("actor", "critic", "ref", "reward"):
+            sub = getattr(self, model)
+            if sub is None:
+                continue
+            for f in dataclasses.fields(sub):
+                stage = getattr(sub, f.name)
+                if stage is not None:
+                    out[f"{model}.{f.name}"] = stage
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ControllerConfig:
+    """The live controller (``trainer/controller/``): replans while the job runs."""
+
+    enabled: bool = False
+    drift: float = 0.3  # relative change of a watched signal that triggers a replan
+    gamma: float = 0.5  # the paper's γ: a transition must pay back within γ · H steps
+    hysteresis: int = 8  # steps during which a plan just left is not re-entered
+    calibrate: bool = True  # False: the device profile's priors only (reproducible decisions)
+    stages: tuple[str, ...] | None = None  # the model-stages it may move (None: all); the others keep their plan
+    max_tp: int | None = None  # search space limits (None: what the world and the model allow)
+    max_pp: int | None = None
+    lookahead: int = 8  # a new plan must fit the workload extrapolated this many steps ahead
+    verify: bool = False  # gather and compare the moved state of every transition (small models: tests)
+
+
+Tracker = Literal["console", "tensorboard", "wandb", "mlflow"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoggingConfig:
+    """Where each step's metrics go besides ``RUN_DIR/metrics.jsonl`` (always written), from
+    rank 0 (``trainer/metrics/trackers.py``); wandb and mlflow are optional extras."""
+
+    trackers: tuple[Tracker, ...] = ("console", "tensorboard")
+    console_every: int = 1  # console: one line every this many steps (and the last)
+    project: str = "nereus"  # wandb project, MLflow experiment
+    run_name: str | None = None  # None: the run directory's name
+    mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns
+
+
+MIN_COLLECTIVE_TIMEOUT_S = 30.0
+"""``elastic.collective_timeout_s``'s floor: it is also the workers' store timeout while they
+start (imports, the round handshake), which takes seconds on a loaded machine."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ElasticConfig:
+    """Restarts after a dead worker (``trainer/elastic/staging.py``): the per-step state staged in
+    node memory, and the deadline of every collective."""
+
+    staging: Literal["auto", "always", "never"] = "auto"  # auto: on when the agent may restart the workers (--max-restarts > 0)
+    staging_dir: str | None = None  # a local absolute path; None: /dev/shm/nereus-<run id> (a hash of the run dir's absolute path)
+    staging_keep: int = 2  # staged steps kept (>= 1): the newest may be half-written when a worker dies
+    collective_timeout_s: float = 300.0  # every collective's deadline (>= 30 s, finite); the agent's rendezvous waits longer
+    last_call_s: int = 30  # seconds a rendezvous waits for more nodes once MIN are in (torchrun's last_call_timeout; >= 1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    seed: int = 0
+    algorithm: Literal["ppo", "grpo"] = "ppo"
+    steps: int = 40
+    nproc: int = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where model-stages run; see resolve_device
+    run_dir: str = "runs/default"
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
+    device_memory_gib: float | None = None  # per-rank budget the plan must fit (trainer/controller/memory.py); None: no check
+    model: ModelConfig = field(default_factory=ModelConfig)
+    critic: ModelConfig | None = None  # None: the actor's shapes, with a value head
+    reward_model: ModelConfig | None = None  # None: the task's rule reward
+    task: TaskConfig = field(default_factory=TaskConfig)  # the built-in toy tasks; a dataset job sets data instead
+    data: DataConfig | None = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    device_profile: str = "cpu"  # a shipped profile (cpu, a100, h100, h200, mi250x) or a YAML path: trainer/controller/profiles.py
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    plan: PlanConfig  # or "auto": the controller's search chooses it at load time
+
+    @property
+    def critic_model(self) -> ModelConfig:
+        return self.critic if self.critic is not None else self.model
+
+    @property
+    def batch_size(self) -> int:
+        """Responses per step: prompts × samples per prompt."""
+        return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps of each trained model per RL step: epochs × mini-batches."""
+        hp = self.ppo if self.algorithm == "ppo" else self.grpo
+        return hp.epochs * max(1, self.batch_size // hp.minibatch_size)
+
+    @property
+    def on_policy(self) -> bool:
+        """One update per step and nothing before training reads the old log-probs (GRPO, or
+        PPO with ``kl_in_reward: false``): π_old is the current policy, and the old-log-prob
+        forward is skipped."""
+        hp = self.ppo if self.algorithm == "ppo" else self.grpo
+        one_update = hp.epochs == 1 and hp.minibatch_size >= self.batch_size
+        return one_update and (self.algorithm == "grpo" or not self.ppo.kl_in_reward)
+
+    def stage_model(self, stage: str) -> tuple[str, ModelConfig, str]:
+        """(config key, model config, head) of a dotted model-stage name."""
+        model = stage.split(".")[0]
+        if model == "critic":
+            return ("critic" if self.critic is not None else "model"), self.critic_model, "value"
+        if model == "reward":
+            assert self.reward_model is not None
+            return "reward_model", self.reward_model, "value"
+        return "model", self.model, "lm"
+
+
+def decoder_spec(model: ModelConfig, *, head: str = "lm") -> DecoderSpec:
+    """The reshard DecoderSpec of a (vocab-resolved) model config."""
+    if model.vocab_size is None:
+        raise ConfigError("model vocab_size is unresolved; load the config with load_config")
+    return DecoderSpec(
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        qkv_bias=model.qkv_bias,
+        tie_embeddings=model.tie_embeddings,
+        head=head,
+        dtype=model.dtype,
+    )
+
+
+def lr_schedules(cfg: JobConfig) -> dict[str, LRScheduleConfig]:
+    """Config key -> schedule section of each trained model of the job, by model-stage order
+    (actor, then the critic under PPO)."""
+    if cfg.algorithm == "ppo":
+        return {"ppo.lr_schedule": cfg.ppo.lr_schedule, "ppo.critic_lr_schedule": cfg.ppo.critic_lr_schedule}
+    return {"grpo.lr_schedule": cfg.grpo.lr_schedule}
+
+
+def warmup_from_ratio(ratio: float, total: int) -> int:
+    """⌊ratio · total⌋, rounded first so that 0.29 · 100 is 29 (not 28.999… → 28)."""
+    return int(math.floor(round(ratio * total, 9)))
