@@ -163,9 +163,9 @@ def check_launch(nnodes: str, max_restarts: int, rdzv_endpoint: str | None, rdzv
 def _fresh_run_dir(run_dir: str, overwrite: bool) -> None:
     """A fresh run must not share its run dir with an earlier run's checkpoints: a later
     ``--resume`` would pick the newest of either. Refuse (exit 2), or with ``--overwrite``
-    delete them (``trainer/elastic/staging.py: fresh_run_dir``). Only a one-node launch's own
+    delete them (``trainer/elastic/restore.py: fresh_run_dir``). Only a one-node launch's own
     launcher calls it, once, before any worker starts."""
-    from nereus.trainer.elastic.staging import fresh_run_dir
+    from nereus.trainer.elastic.restore import fresh_run_dir
 
     error = fresh_run_dir(run_dir, overwrite)
     if error:

@@ -187,7 +187,7 @@ def _time_restores(staged_root: str, durable_root: str, config_path: str, repeat
                 took = torch.tensor([time.perf_counter() - t0])
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a restore lasts as long as its slowest rank
                 times[kind].append(float(took))
-        nbytes = sum(t.numel() * t.element_size() for s in trainer._trained() for t in s.buffers().values())
+        nbytes = sum(t.numel() * t.element_size() for s in trainer.trained_stages() for t in s.buffers().values())
         reads: dict[str, list[float]] = {"staged": [], "durable": []}
         if dist.get_rank() == 0:  # the bound: the bytes alone, read plainly (the other rank idle)
             for _ in range(repeats):

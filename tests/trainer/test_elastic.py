@@ -18,7 +18,8 @@ import pytest
 from nereus.launch import own_result, parse_nnodes, rendezvous_timeout
 from nereus.trainer.config import ConfigError
 from nereus.trainer.prepare import load_config
-from nereus.trainer.elastic.staging import check_staged, choose_sources, plan_digest
+from nereus.trainer.elastic.staging import plan_digest
+from nereus.trainer.elastic.restore import check_staged, choose_sources
 from tests.distributed_harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -315,7 +316,8 @@ def _train_and_stage(rank, world, run_dir, shm_dir):
     import torch
 
     from nereus.trainer.runtime.step import Trainer
-    from nereus.trainer.elastic.staging import Stager, agree_sources, restore_newest
+    from nereus.trainer.elastic.staging import Stager
+    from nereus.trainer.elastic.restore import agree_sources, restore_newest
 
     cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}",
                                   "grpo.lr_schedule.decay=linear"])  # the LR moves every update: its position is state
@@ -361,7 +363,7 @@ def _capacity_and_a_failed_write(cfg, rank, trainer, shm_dir):
     from nereus.store.checkpoint import CheckpointStore
     from nereus.trainer.elastic import staging
 
-    emus = [e for s in trainer._trained() for e in s.emus]
+    emus = [e for s in trainer.trained_stages() for e in s.emus]
     real_free, real_finish = staging.free_bytes, dcp_io.BoxWriter.finish
     staging.free_bytes = lambda root: 1 << 10
     try:
@@ -399,7 +401,8 @@ def _two_nodes_stage(rank, world, run_dir, shm_dir, shared):
 
     from nereus.store.checkpoint import CheckpointStore, checkpoint_layouts
     from nereus.trainer.runtime.step import Trainer
-    from nereus.trainer.elastic.staging import Stager, agree_sources, restore_newest
+    from nereus.trainer.elastic.staging import Stager
+    from nereus.trainer.elastic.restore import agree_sources, restore_newest
 
     os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     mine = shm_dir if shared else f"{shm_dir}/{rank}"
@@ -407,7 +410,7 @@ def _two_nodes_stage(rank, world, run_dir, shm_dir, shared):
                                   f"elastic.staging_dir={mine}"])
     os.makedirs(run_dir, exist_ok=True)
     trainer = Trainer(cfg)
-    emus = [e for s in trainer._trained() for e in s.emus]
+    emus = [e for s in trainer.trained_stages() for e in s.emus]
     stager = Stager(cfg, rank, emus)
     if shared:
         stager.close()
@@ -526,7 +529,7 @@ def _kill_while_staging(rank, world, run_dir, shm_dir):
 @pytest.mark.timeout(120)
 def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, shm_dir):
     from nereus.store.checkpoint import CheckpointStore
-    from nereus.trainer.elastic.staging import local_view
+    from nereus.trainer.elastic.restore import local_view
 
     with pytest.raises(RuntimeError, match="exited with code -9"):
         run_distributed(_kill_while_staging, 1, str(tmp_path / "run"), shm_dir, timeout=110)
@@ -581,7 +584,7 @@ def _restore_and_gather(rank, world, run_dir, sets):
     """A fresh trainer restores the newest valid source (staged, else durable), as a
     restarted worker does; rank 0 returns (step, source, actor state, plan it was saved in)."""
     from nereus.trainer.runtime.step import Trainer
-    from nereus.trainer.elastic.staging import agree_sources, restore_newest
+    from nereus.trainer.elastic.restore import agree_sources, restore_newest
 
     cfg = load_config(TINY_GRPO, [*sets, f"run_dir={run_dir}"])
     trainer = Trainer(cfg)
@@ -812,7 +815,7 @@ def test_nodes_are_told_apart_and_a_staging_dir_two_nodes_share_is_refused():
 
 def test_an_unreadable_durable_manifest_is_refused_on_every_rank_not_fatal(tmp_path, monkeypatch):
     from nereus.store.checkpoint import CheckpointStore
-    from nereus.trainer.elastic.staging import DURABLE_REFUSED, local_view
+    from nereus.trainer.elastic.restore import DURABLE_REFUSED, local_view
 
     durable = tmp_path / "checkpoints"
     (durable / "meta").mkdir(parents=True)
@@ -1049,7 +1052,7 @@ def test_only_a_fresh_start_s_rank_0_checks_the_run_dir_on_several_nodes_or_unde
     from nereus.cli import train as cli_train
     from nereus.cli.app import app
     from nereus.store.checkpoint import CheckpointStore
-    from nereus.trainer.elastic.staging import fresh_run_dir
+    from nereus.trainer.elastic.restore import fresh_run_dir
 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)

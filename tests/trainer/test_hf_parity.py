@@ -109,7 +109,7 @@ def as_transformers4_config(path: str) -> None:
 def _load_stages(rank: int, world_size: int, dirs: dict[str, str]) -> dict[str, dict]:
     """In the 1-rank gloo child: each directory through build_stage + load_hf, as numpy."""
     from nereus.trainer.config import StageConfig
-    from nereus.trainer.runtime.step import load_hf
+    from nereus.trainer.runtime.checkpoint import load_hf
     from nereus.trainer.parallel.parallelize import build_stage
     from nereus.trainer.runtime.stages import ModelStage
 

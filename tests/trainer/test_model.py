@@ -358,7 +358,7 @@ def test_llama31_rope_scaling_matches_transformers():
 
 
 def test_loading_refuses_forward_settings_that_differ_from_the_checkpoint():
-    from nereus.trainer.runtime.step import check_forward_settings
+    from nereus.trainer.runtime.checkpoint import check_forward_settings
 
     config = {**LLAMA, "rope_theta": 5e5, "rope_scaling": LLAMA31_ROPE}
     args = ModelArgs.from_hf_config(config)

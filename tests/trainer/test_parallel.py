@@ -17,17 +17,16 @@ from nereus.reshard.errors import LayoutError, ProcessGroupError
 from nereus.reshard.layout import ParallelConfig, box_view, local_buffers
 from nereus.reshard.reference import fill_reference, reference_box
 from nereus.trainer.models.decoder import ModelArgs, build_model, init_weights
+from nereus.trainer.parallel.groups import plan_groups, stage_groups
 from nereus.trainer.parallel.parallelize import (
     ReplicatedKVHead,
     build_stage,
     init_stage,
     optimizer_buffers,
-    plan_groups,
     plan_stage_modules,
     plan_tp,
     stage_buffers,
     stage_grads,
-    stage_groups,
 )
 from nereus.trainer.parallel.pipeline import forward, forward_backward, sync_grads
 from nereus.trainer.parallel.vocab_parallel import VocabShard, token_logprobs

@@ -169,7 +169,7 @@ def _restored(rank, world, config):
 
     trainer = Trainer(load_config(config))
     step, state = trainer.restore(), {}
-    for stage in trainer._trained():
+    for stage in trainer.trained_stages():
         full = gather_full(stage.emus, stage.buffers() if stage.member else {}, rank)
         state.update({f"{stage.key.split('.')[0]}/{n}": raw_bytes(t) for n, t in (full or {}).items()})
     return (step, state) if rank == 0 else None

@@ -19,7 +19,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from nereus.store.hf import HFCheckpoint, check_against_spec
-from nereus.trainer.runtime.step import check_forward_settings
+from nereus.trainer.runtime.checkpoint import check_forward_settings
 from nereus.trainer.models.decoder import ModelArgs, build_model
 from nereus.trainer.data.tokenizer import TokenizerError, load_tokenizer
 

@@ -34,7 +34,6 @@ Errors are ``DataError`` (a ValueError), one line naming the file, and the key o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from ..seeds import epoch_seed
 from .tokenizer import TextTokenizer, TokenizerError
 
 if TYPE_CHECKING:
@@ -374,12 +374,6 @@ def encode_rows(
 
 
 # ---------------------------------------------------------------- the sampler
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The generator seed of one epoch's permutation: 63 bits of blake2b("seed:epoch")."""
-    digest = hashlib.blake2b(f"nereus.data:{seed}:{epoch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class PromptSampler:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, JobConfig
+from ..seeds import mix
 from .tasks import Task, build_task
 
 
@@ -75,10 +76,8 @@ class TaskSource:
         return build_task(self.cfg.task, step) if self.cfg.task.grow_to is not None else self.task
 
     def prompts(self, step: int) -> Prompts:
-        from ..runtime.step import _seed
-
         cfg, task = self.cfg, self._task(step)
-        g = torch.Generator().manual_seed(_seed(cfg.seed, step, 0))
+        g = torch.Generator().manual_seed(mix(cfg.seed, step, 0))
         # under a length curriculum the rollout is capped at the step's answer length too
         cap = cfg.rollout.max_new_tokens if cfg.task.grow_to is None else min(cfg.rollout.max_new_tokens, task.max_answer_len)
         return Prompts(ids=task.sample_prompts(cfg.rollout.prompts_per_step, g), rows=None, max_new_tokens=cap)

@@ -53,7 +53,6 @@ point input treats it as hidden states [B, T, h] and skips the embedding; a stag
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -64,6 +63,8 @@ from torch.utils.checkpoint import checkpoint
 
 from nereus.reshard.derive import DecoderSpec
 from nereus.reshard.layout import DTYPES
+
+from ..seeds import param_seed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -569,10 +570,6 @@ def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Decoder
         return Decoder(args)
 
 
-def _param_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Deterministic init after ``to_empty``: matrices ~ N(0, std), biases 0, norms 1.
@@ -587,5 +584,5 @@ def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
         elif name.endswith(".bias"):
             p.zero_()
         else:
-            g = torch.Generator().manual_seed(_param_seed(seed, name))
+            g = torch.Generator().manual_seed(param_seed(seed, name))
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g))

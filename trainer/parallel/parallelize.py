@@ -41,12 +41,7 @@ The local tensors match ``reshard.derive.derive_emus`` exactly (checked at build
   FSDP2 ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)`` all-gathers the
   weights in the compute dtype instead. Gradients are float32 and reduced in float32.
 
-Process groups: ``stage_groups`` creates every TP/PP/DP (and KV-copy, embedding) group of a
-config with ``dist.new_group(ranks, sort_ranks=False)``, so a group's rank order is the
-config's order and a DeviceMesh coordinate equals the group rank. ``new_group`` is collective
-over the WORLD: every rank, member or not, must call ``stage_groups`` for the same configs in
-the same order (an SPMD program does this naturally). Groups are cached by their ordered
-rank tuple, so configs sharing a group (two model-stages on the same TP ranks) share it.
+Process groups: ``trainer/parallel/groups.py``.
 """
 
 from __future__ import annotations
@@ -71,126 +66,10 @@ from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus, plan_layer
 from nereus.reshard.errors import LayoutError, ProcessGroupError
 from nereus.reshard.layout import DTYPES, ParallelConfig, TensorLayout, box_view, local_buffers
 
-from ..models.decoder import Decoder, ModelArgs, _param_seed, build_model
+from ..models.decoder import Decoder, ModelArgs, build_model
+from ..seeds import param_seed
+from .groups import StageGroups, groups_cached, stage_groups, tied_copy
 from .vocab_parallel import VocabShard
-
-# ------------------------------------------------------------------------ process groups
-
-GroupRanks = tuple[int, ...]
-
-
-def plan_groups(config: ParallelConfig, spec: DecoderSpec) -> dict[str, list[GroupRanks]]:
-    """Every sub-group of ``config``, as ordered global-rank tuples, per kind (pure).
-
-    tp: one per (dp, pp), in tp order; pp: one per (dp, tp), in stage order; dp: one per
-    (pp, tp), in replica order; kv (only when tp > num_kv_heads): the tp / kv consecutive TP
-    ranks holding copies of one KV head; embed (only for a tied lm head with pp > 1): the
-    first and last stage of each (dp, tp), which hold the two copies of ``embed_tokens``.
-    """
-    c = config
-    groups: dict[str, list[GroupRanks]] = {
-        "tp": [tuple(c.rank(dp=d, pp=p, tp=t) for t in range(c.tp)) for d in range(c.dp) for p in range(c.pp)],
-        "pp": [tuple(c.rank(dp=d, pp=p, tp=t) for p in range(c.pp)) for d in range(c.dp) for t in range(c.tp)],
-        "dp": [tuple(c.rank(dp=d, pp=p, tp=t) for d in range(c.dp)) for p in range(c.pp) for t in range(c.tp)],
-        "kv": [],
-        "embed": [],
-    }
-    if c.tp > spec.num_kv_heads:
-        copies = c.tp // spec.num_kv_heads
-        groups["kv"] = [tp_ranks[i : i + copies] for tp_ranks in groups["tp"] for i in range(0, c.tp, copies)]
-    if _tied_copy(spec, c.pp):
-        groups["embed"] = [(pp_ranks[0], pp_ranks[-1]) for pp_ranks in groups["pp"]]
-    return groups
-
-
-def _tied_copy(spec: DecoderSpec, pp: int) -> bool:
-    return spec.tie_embeddings and spec.head == "lm" and pp > 1
-
-
-_GROUPS: dict[GroupRanks, dist.ProcessGroup] = {}
-
-
-def forget_groups() -> None:
-    """Drop the group cache (after ``destroy_process_group``, before a fresh ``init``)."""
-    _GROUPS.clear()
-
-
-def cached_group(ranks: GroupRanks) -> dist.ProcessGroup:
-    """The cached group over ``ranks`` in this order (collective over the world if new)."""
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks), sort_ranks=False)
-    return _GROUPS[ranks]
-
-
-
-def release_groups(in_use: Iterable[GroupRanks]) -> int:
-    """Destroy every cached group whose rank tuple is not in ``in_use`` (after a plan
-    transition: the old layout's groups). ``in_use`` is computed from the plan, the same on
-    every rank (``stages.stage_group_ranks``), never from a rank's own groups: every rank
-    created every group, members and non-members alike, so every rank must drop the same
-    entries (in the same sorted order) or a later ``new_group`` would pair up differently
-    on different ranks. Returns how many were destroyed."""
-    keep = set(in_use)
-    gone = [ranks for ranks in sorted(_GROUPS) if ranks not in keep]
-    for ranks in gone:
-        group = _GROUPS.pop(ranks)
-        if dist.get_rank() in ranks:
-            dist.destroy_process_group(group)
-    return len(gone)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageGroups:
-    """The groups one member rank of a config belongs to, and its (dp, pp, tp) coordinates.
-
-    ``kv``/``embed`` are None where the config needs no such group."""
-
-    config: ParallelConfig
-    rank: int
-    dp_index: int
-    pp_index: int
-    tp_index: int
-    tp: dist.ProcessGroup
-    pp: dist.ProcessGroup
-    dp: dist.ProcessGroup
-    kv: dist.ProcessGroup | None
-    embed: dist.ProcessGroup | None
-
-    def mesh(self, device_type: str) -> DeviceMesh:
-        """The (dp, pp, tp) DeviceMesh over this rank's groups (local: no communication)."""
-        c = self.config
-        ranks = torch.tensor(c.ranks, dtype=torch.int).view(c.dp, c.pp, c.tp)
-        return DeviceMesh.from_group(
-            [self.dp, self.pp, self.tp], device_type, mesh=ranks, mesh_dim_names=("dp", "pp", "tp")
-        )
-
-
-def stage_groups(config: ParallelConfig, spec: DecoderSpec, rank: int | None = None) -> StageGroups | None:
-    """Create (or reuse) every group of ``config``; this rank's groups, None for a non-member.
-
-    Collective over the world when any group is new: every rank calls it, for the same
-    configs in the same order (see the module docstring).
-    """
-    rank = dist.get_rank() if rank is None else rank
-    planned = plan_groups(config, spec)
-    made = {kind: [cached_group(r) for r in ranks] for kind, ranks in planned.items()}
-    if rank not in config.ranks:
-        return None
-    i = config.ranks.index(rank)
-    t, p, d = i % config.tp, (i // config.tp) % config.pp, i // (config.tp * config.pp)
-
-    def mine(kind: str) -> dist.ProcessGroup | None:
-        found = [g for g, r in zip(made[kind], planned[kind]) if rank in r]
-        return found[0] if found else None
-
-    return StageGroups(
-        config=config, rank=rank, dp_index=d, pp_index=p, tp_index=t,
-        tp=mine("tp"), pp=mine("pp"), dp=mine("dp"), kv=mine("kv"), embed=mine("embed"),
-    )
-
-
-def _groups_cached(config: ParallelConfig, spec: DecoderSpec) -> bool:
-    return all(r in _GROUPS for ranks in plan_groups(config, spec).values() for r in ranks)
 
 
 # ------------------------------------------------------------------------ pipeline cut
@@ -206,7 +85,7 @@ def plan_stage_modules(spec: DecoderSpec, pp: int) -> list[list[str]]:
     stages = []
     for p, layers in enumerate(plan_layer_ranges(spec.num_layers, pp)):
         keep = [f"model.layers.{i}" for i in layers]
-        if p == 0 or (p == pp - 1 and _tied_copy(spec, pp)):
+        if p == 0 or (p == pp - 1 and tied_copy(spec, pp)):
             keep.insert(0, "model.embed_tokens")
         if p == pp - 1:
             keep.append("model.norm")
@@ -409,7 +288,7 @@ def build_stage(
         raise ProcessGroupError(f"rank {rank} is not in the parallel config's ranks {config.ranks}")
     check_tp(spec, config.tp)
     if groups is None:
-        if set(config.ranks) != set(range(dist.get_world_size())) and not _groups_cached(config, spec):
+        if set(config.ranks) != set(range(dist.get_world_size())) and not groups_cached(config, spec):
             raise ProcessGroupError(
                 f"config {config.describe()} on ranks {config.ranks} spans part of the world: call "
                 "stage_groups(config, spec) on every rank first (new_group is collective over the world)"
@@ -546,7 +425,7 @@ def init_tensor(name: str, shape: Sequence[int], seed: int, std: float) -> torch
         return torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
-    g = torch.Generator().manual_seed(_param_seed(seed, name))
+    g = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=g)
 
 

@@ -99,6 +99,7 @@ from nereus.reshard.layout import DTYPES, EMU, Dims, ParallelConfig, Shard, Tens
 
 from .generator import Rollout, left_pad
 from ..models.decoder import ModelArgs
+from ..seeds import row_seed
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
@@ -304,10 +305,6 @@ def rollout_from_tokens(
         prompt_lengths=lengths,
         response_lengths=mask.sum(1),
     )
-
-
-def _row_seed(seed: int, row: int) -> int:
-    return (seed * 1_000_003 + row + 1) % (1 << 62)
 
 
 # ------------------------------------------------------------------ the engine
@@ -585,7 +582,7 @@ class VLLMEngine:
                 stop_token_ids=[int(t) for t in stop_tokens],
                 ignore_eos=True,  # only stop_tokens stop a row (see the module docstring)
                 logprobs=0,  # the sampled token's log-prob only
-                seed=_row_seed(seed, first_row + row),
+                seed=row_seed(seed, first_row + row),
                 detokenize=False,
             )
             for row in range(len(prompts))

@@ -41,7 +41,8 @@ from ..algos.ppo import LossSums
 from ..models.args import model_args
 from ..models.decoder import ModelArgs, set_recompute
 from ..parallel.packing import Packing, balanced_order, pack_batch, pack_count
-from ..parallel.parallelize import StagePart, build_stage, cached_group, optimizer_buffers, plan_groups, stage_buffers, stage_grads, stage_groups
+from ..parallel.groups import cached_group, plan_groups, stage_groups
+from ..parallel.parallelize import StagePart, build_stage, optimizer_buffers, stage_buffers, stage_grads
 from ..parallel.pipeline import forward, forward_backward
 from ..rollout.vllm_engine import VLLMEngine, vllm_emus
 from ..parallel.vocab_parallel import VocabShard, token_logprobs

@@ -41,69 +41,24 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from nereus.reshard.arrays import arrays_from_plan
-from nereus.reshard.execute import execute
-from nereus.reshard.graph import plan_graph
-from nereus.reshard.plan import plan_transfers
-from nereus.reshard.stream import StagingArena
-
 from ..algos import grpo, ppo
-from . import lr_schedule
 from ..algos.advantages import kl_k1, masked_mean, minibatch_indices
-from ..config import JobConfig, config_to_dict
-from ..prepare import resolve_device
-from ..rollout.generator import generate
-from ..models.decoder import ModelArgs
+from ..config import JobConfig
+from ..data.prompts import Prompts, make_source
 from ..metrics.log import peak_memory
 from ..metrics.meters import StageMeter, rss_bytes, trim_heap
-from ..parallel.parallelize import init_stage, init_tensor, load_full
-from .stages import (
-    ModelStage, backward_minibatch, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values,
-)
-from ..data.prompts import Prompts, make_source
-
-KEEP_CHECKPOINTS = 3
-
-
-@dataclass(kw_only=True)
-class WeightSync:
-    """Parameters of one model-stage streamed into another's live parameters each step."""
-
-    src: ModelStage
-    dst: ModelStage
-
-    def __post_init__(self) -> None:
-        src = [e.params_only() for e in self.src.emus]
-        dst = [e.params_only() for e in self.dst.emus]
-        self.plan = plan_transfers(src, dst, cast=True)  # float32 masters -> the rollout dtype, cast on the way
-        self.graph = plan_graph(arrays_from_plan(self.plan))
-        # Host staging is kept across steps (its pages stay touched); CUDA's caching
-        # allocator already reuses blocks, and a kept buffer would sit through training.
-        self.staging = StagingArena("cpu")
-
-    def __call__(self):
-        """Stream the weights; returns this rank's ``StreamResult`` (its ``.stats``).
-
-        A reshard past its deadline leaves the process group unusable (ops may be pending:
-        ``reshard.errors.TransitionTimeout``); that is raised as a RuntimeError telling the
-        job to restart its workers on a fresh group, never retried on the broken one."""
-        from nereus.reshard.errors import TransitionTimeout
-
-        rank, src, dst = dist.get_rank(), self.src.param_buffers(), self.dst.param_buffers()
-        on_host = all(t.device.type == "cpu" for t in (*src.values(), *dst.values()))
-        try:
-            return execute(self.plan, self.graph, src, rank=rank, dst_buffers=dst, staging=self.staging if on_host else None)
-        except TransitionTimeout as e:
-            raise RuntimeError(
-                f"weight sync {self.src.key} -> {self.dst.key} timed out: {e}. The process group cannot be reused: "
-                "restart the workers (torchrun restarts them; nereus train --resume continues from the last checkpoint)"
-            ) from e
-
+from ..parallel.parallelize import init_stage
+from ..prepare import resolve_device
+from ..rollout.generator import generate
+from ..seeds import mix
+from . import checkpoint, lr_schedule, transition
+from .checkpoint import load_hf
+from .stages import ModelStage, backward_minibatch, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values
+from .transition import MESSAGES, measured_messages
 
 class Trainer:
     """The model-stages of one job on this rank, and the step function; ``device`` (default:
@@ -126,9 +81,9 @@ class Trainer:
                 else:  # the actor's and reference's LM, or a critic:/reward_model: value checkpoint
                     load_hf(stage, model.path)
             if key.endswith(".train"):
-                make_optimizer(stage, self._lr(key))
-                self._attach_schedule(key, stage)
-        self.syncs = self._plan_syncs()
+                make_optimizer(stage, self.lr(key))
+                self.attach_schedule(key, stage)
+        self.syncs = transition.plan_syncs(self.stages)
         self.on_policy = cfg.on_policy
         self.step = 0
         self.meter = StageMeter(self.device, baseline)
@@ -138,124 +93,45 @@ class Trainer:
         self._reward_metrics: dict = {}
         self.restored_state: dict = {}
 
-    def _lr(self, key: str) -> float:
+    def lr(self, key: str) -> float:
+        """The configured (peak) learning rate of a training model-stage."""
         hp = self.cfg.ppo if self.cfg.algorithm == "ppo" else self.cfg.grpo
         return self.cfg.ppo.critic_lr if key == "critic.train" else hp.lr
 
-    def _attach_schedule(self, key: str, stage: ModelStage) -> None:
+    def attach_schedule(self, key: str, stage: ModelStage) -> None:
         """The stage's LR schedule at its optimizer's own step count (``trainer/runtime/lr_schedule.py``):
         when the optimizer is made, and again after a checkpoint loads into it or a transition
         moves its state, so the LR continues where it was."""
         if stage.optimizer is not None:
-            stage.scheduler = lr_schedule.attach(stage.optimizer, lr_schedule.plan_schedule(self.cfg, key), self._lr(key))
+            stage.scheduler = lr_schedule.attach(stage.optimizer, lr_schedule.plan_schedule(self.cfg, key), self.lr(key))
 
-    def _plan_syncs(self) -> list[WeightSync]:
-        syncs = [WeightSync(src=self.stages["actor.train"], dst=self.stages["actor.gen"])]
-        if "critic.infer" in self.stages:
-            syncs.append(WeightSync(src=self.stages["critic.train"], dst=self.stages["critic.infer"]))
-        return syncs
-
-    # ------------------------------------------------------------------ plan transitions
+    def trained_stages(self) -> list[ModelStage]:
+        """The training model-stages (what a checkpoint holds), in plan order."""
+        return [s for k, s in self.stages.items() if k.endswith(".train")]
 
     def apply_plan(self, plan, *, verify: bool = False) -> dict:
-        """Move the job to ``plan`` between steps, on every rank (collective; every rank calls
-        it with the same plan). The model-stages whose layout changes are built anew (groups,
-        modules on meta, parallelize) and their state — weights, and AdamW state of a
-        training stage — streams from the old layout to the new one through reshard, exact;
-        then the weight syncs are re-planned and the old layout's process groups destroyed.
+        """Move the job to ``plan`` between steps (``transition.apply_plan``; collective)."""
+        return transition.apply_plan(self, plan, verify=verify)
 
-        All or nothing: a rank that fails to build its part tells the others (one all-reduce
-        before any state moves), and every rank keeps the old plan; reshard refuses on every
-        rank together. With ``verify`` the moved state is gathered on rank 0 and compared with
-        the old, element for element, before the new stages take over (a mismatch keeps the
-        old plan). Either way the old stages are untouched and the error is raised.
-        Returns ``{"stages": [...], "rebuilt": [...], "bytes": cross-rank bytes, "seconds": s,
-        "verified": n, "peak_bytes": b}`` (``rebuilt``: the stages built anew, the others only
-        retuned their micro-batch size; ``verified``: tensors compared, 0 without ``verify``;
-        ``peak_bytes``: this rank's measured peak while building and moving, verification
-        excluded — it gathers whole tensors on rank 0)."""
-        from ..controller.transition import changed_stages, rebuilt_stages
-        from ..parallel.parallelize import release_groups
-        from .stages import stage_group_ranks
+    # ------------------------------------------------------------------ checkpoints (checkpoint.py)
 
-        t0 = time.perf_counter()
-        new_cfg = replace(self.cfg, plan=plan)
-        changed = rebuilt_stages(self.cfg.plan, plan)
-        retuned = [k for k in changed_stages(self.cfg.plan, plan) if k not in changed]
+    def checkpoint_root(self) -> str:
+        return checkpoint.checkpoint_root(self)
 
-        def retune() -> None:  # a new micro-batch size: the same modules and state
-            for key in retuned:
-                self.stages[key].settings = plan.stages()[key]
-            self.cfg = new_cfg
+    def save(self) -> None:
+        """Commit the training stages' weights and AdamW state (every rank calls it)."""
+        checkpoint.save(self)
 
-        if not changed:
-            retune()
-            return {"stages": retuned, "rebuilt": [], "bytes": 0, "seconds": time.perf_counter() - t0, "verified": 0,
-                    "peak_bytes": 0}
-        if self.device.type == "cpu":
-            trim_heap()  # the peak below is the move's own
-        try:
-            with self.meter("transition"):
-                fresh, moved = self._build_and_move(new_cfg, changed)
-        finally:
-            self.meter.seconds.pop("transition", None)
-            peak = self.meter.peaks.pop("transition", 0)
-        verified = self._verify_moved(changed, fresh) if verify else 0
-        for key in changed:  # AdamW's step moved with its state: the schedule continues from it
-            if key.endswith(".train"):
-                self._attach_schedule(key, fresh[key])
-        self.stages = {**self.stages, **fresh}
-        retune()
-        self.syncs = self._plan_syncs()
-        release_groups(stage_group_ranks(self.stages))
-        return {"stages": changed + retuned, "rebuilt": changed, "bytes": moved, "seconds": time.perf_counter() - t0,
-                "verified": verified, "peak_bytes": peak}
+    def job_state(self) -> dict:
+        return checkpoint.job_state(self)
 
-    def _build_and_move(self, new_cfg, changed: list[str]) -> tuple[dict, int]:
-        """Build the ``changed`` stages of ``new_cfg`` and stream their state into them; the
-        fresh stages and the bytes that crossed ranks."""
-        error, plans = None, {}
-        try:  # every rank's own part, agreed on below before any state moves
-            fresh = build_stages(new_cfg, self.rank, self.device, keys=changed)  # groups first: collective, in order
-            for key in changed:
-                if key.endswith(".train") and fresh[key].part is not None:
-                    make_optimizer(fresh[key], self._lr(key))
-            for key in changed:
-                plans[key] = plan_transfers(self.stages[key].emus, fresh[key].emus)
-        except Exception as e:  # noqa: BLE001 - agreed on below, then raised on every rank
-            error = f"rank {self.rank}: {type(e).__name__}: {e}"
-        flag = torch.tensor([0.0 if error is None else 1.0])
-        dist.all_reduce(flag)
-        if flag.item():
-            raise RuntimeError(f"plan transition refused before any state moved: {error or 'another rank failed to build'}")
-        moved = 0
-        for key in changed:  # reshard's agreement fails every rank together, within its deadline
-            old, new, transfers = self.stages[key], fresh[key], plans[key]
-            moved += sum(t.nbytes for t in transfers.transfers if t.src_rank != t.dst_rank)
-            dst = new.buffers() if new.member else {}
-            result = execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=self.rank,
-                             dst_buffers=dst)
-            self.messages.extend(measured_messages(result))
-        return fresh, moved
+    def stage(self, stager) -> None:
+        """Stage this step's state in node memory (every rank calls it)."""
+        checkpoint.stage(self, stager)
 
-    def _verify_moved(self, keys: list[str], fresh: dict) -> int:
-        """Gather every moved tensor in both layouts on rank 0 and compare them bit for bit;
-        raise on every rank when any differs. Returns how many tensors were compared."""
-        from nereus.reshard.gather import gather_full
-
-        bad, count = [], 0
-        for key in keys:
-            old = gather_full(self.stages[key].emus, self.stages[key].buffers(), self.rank)
-            new = gather_full(fresh[key].emus, fresh[key].buffers(), self.rank)
-            if self.rank == 0:
-                count += len(new)
-                bad += [f"{key}/{n} (missing in the new layout)" for n in old if n not in new]
-                bad += [f"{key}/{n}" for n, t in new.items() if n not in old or not torch.equal(t.view(-1).view(torch.uint8), old[n].view(-1).view(torch.uint8))]
-        verdict = [bad, count]
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0]:
-            raise RuntimeError(f"plan transition refused: {len(verdict[0])} tensors differ after the move, e.g. {verdict[0][:3]}")
-        return verdict[1]
+    def restore(self, root: str | None = None, *, step: int | None = None) -> int:
+        """Load a committed checkpoint into this rank's layouts (``checkpoint.restore``); its step."""
+        return checkpoint.restore(self, root, step=step)
 
     # ------------------------------------------------------------------ one step
 
@@ -363,11 +239,11 @@ class Trainer:
                 stop_tokens=() if cfg.rollout.ignore_eos else source.stop_ids, pad_id=source.pad_id,
             )
             # keyed by the step and the row, not the replica: the same rollouts at any dp (generate.py)
-            seed = _seed(*seed)
+            seed = mix(*seed)
             if gen.engine is not None:
                 out = gen.engine.generate(ids[lo:hi], seed=seed, first_row=lo, **sampling)
             else:
-                draws = torch.rand(len(ids), prompts.max_new_tokens, generator=torch.Generator().manual_seed(seed))
+                draws = torch.rand(len(ids), prompts.max_new_tokens, generator=torch.Generator().manualmix(seed))
                 with torch.no_grad():
                     out = generate(gen.part.module, ids[lo:hi], uniforms=draws[lo:hi], **sampling)
             # replicas stack: the same prompt width (the longest prompt of the whole batch) and response width
@@ -456,7 +332,7 @@ class Trainer:
         cfg = self.cfg
         hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
         temp = cfg.rollout.temperature
-        g = torch.Generator().manual_seed(_seed(cfg.seed, self.step, 99))
+        g = torch.Generator().manualmix(mix(cfg.seed, self.step, 99))
         actor_kl = hp.kl_coef if (cfg.algorithm == "grpo" or not cfg.ppo.kl_in_reward) else 0.0
         actor = self.stages["actor.train"]
 
@@ -525,125 +401,6 @@ class Trainer:
             "is not finite (NaN/inf); no optimizer stepped on it"
         )
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def checkpoint_root(self) -> str:
-        return os.path.join(self.cfg.run_dir, "checkpoints")
-
-    def _trained(self) -> list[ModelStage]:
-        return [s for k, s in self.stages.items() if k.endswith(".train")]
-
-    def save(self) -> None:
-        """Commit the training stages' weights and AdamW state (every rank calls it)."""
-        from nereus.store.checkpoint import save_checkpoint
-
-        from nereus.store.convert import one_dtype
-        from nereus.store.hf import HFCheckpoint, side_files
-
-        emus = [e for s in self._trained() for e in s.emus]
-        buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
-        # each model's HF config (as trained: its head, its shapes; the rest of its source's
-        # config.json) and, on the coordinator, its source's side files: `nereus convert
-        # RUN_DIR/checkpoints OUT --to hf --model actor` exports what this saves
-        configs, files = {}, {}
-        for s in self._trained():
-            model, source = s.key.split(".")[0], self.cfg.stage_model(s.key)[1]
-            original = HFCheckpoint.open(source.path).config if source.path else {}
-            dtype = next(t.dtype for e in s.emus for t in e.tensors if not t.name.startswith("optim/"))
-            hf = s.args.to_hf_config()
-            if "max_position_embeddings" in original:  # the model's own limit, not this job's max_seq_len
-                hf["max_position_embeddings"] = original["max_position_embeddings"]
-            configs[model] = one_dtype({**original, **hf}, dtype)  # the masters' dtype
-            if source.path and self.rank == 0:
-                files.update({f"hf/{model}/{name}": data for name, data in side_files(source.path).items()})
-            if model == "actor" and self.cfg.tokenizer.path and self.rank == 0:  # the tokenizer the job used
-                files.update({f"hf/actor/{name}": data for name, data in side_files(self.cfg.tokenizer.path).items()
-                              if name != "generation_config.json"})
-        state = {**self.job_state(), "hf_configs": configs}
-        save_checkpoint(self.checkpoint_root(), self.step, emus, buffers, rank=self.rank, state=state, files=files,
-                        plan=config_to_dict(self.cfg.plan), keep=KEEP_CHECKPOINTS)  # --resume restarts in this plan
-
-    def job_state(self) -> dict:
-        """The JSON-able state a checkpoint or a staged copy carries besides the tensors: the
-        step, the prompt sampler's position, the LR schedules' positions, the controller's,
-        the run's lineage and its plan record (``trainer/elastic/staging.py``: advanced here when the
-        plan differs from the one the last record was written in)."""
-        from ..elastic.staging import advance_plan_record
-
-        self.extra_state["data"] = self.source.state_dict()  # the prompt sampler's position
-        for key, provide in self.state_providers.items():
-            self.extra_state[key] = provide()
-        self.extra_state["plan_record"] = advance_plan_record(self.extra_state.get("plan_record"),
-                                                              config_to_dict(self.cfg.plan), self.step)
-        return {"step": self.step, **self.extra_state}
-
-    def stage(self, stager) -> None:
-        """Stage this step's state in node memory (``trainer/elastic/staging.py``; every rank calls it)."""
-        from ..elastic.staging import staged_state
-
-        plan = config_to_dict(self.cfg.plan)
-        buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
-        state = self.job_state()
-        stager.stage(self.step, [e for s in self._trained() for e in s.emus], buffers,
-                     {**state, **staged_state(self.cfg.run_dir, state.get("lineage"))}, plan)
-
-    def restore(self, root: str | None = None, *, step: int | None = None) -> int:
-        """Load the committed checkpoint of ``step`` (default: the latest) under ``root``
-        (default: the run's durable checkpoints; a staged copy's root) into this rank's
-        layouts; returns its step."""
-        from nereus.store.checkpoint import CheckpointStore, load_checkpoint
-
-        root = root or self.checkpoint_root()
-        if not CheckpointStore(root).steps():
-            raise FileNotFoundError(f"--resume: no committed checkpoint under {root}")
-        emus = [e for s in self._trained() for e in s.emus]
-        buffers = {s.key.split(".")[0]: s.buffers() for s in self._trained()}
-        manifest, _ = load_checkpoint(root, emus, self.rank, buffers, step=step)
-        self.step = manifest.step
-        self.restored_state = dict(manifest.state or {})
-        self.source.load_state_dict(self.restored_state.get("data", {}))
-        for stage in self._trained():  # AdamW's step came back with its state: the schedule resumes from it
-            self._attach_schedule(stage.key, stage)
-            saved = self.restored_state.get("lr_schedule", {}).get(stage.key.split(".")[0])
-            if saved and stage.optimizer is not None and saved["optimizer_steps"] != lr_schedule.optimizer_step_count(stage.optimizer):
-                raise RuntimeError(f"checkpoint of step {self.step}: {stage.key}'s optimizer restored at update "
-                                   f"{lr_schedule.optimizer_step_count(stage.optimizer)}, but it was saved at {saved['optimizer_steps']}")
-        if self.rank == 0:  # this job owns the root and is not saving: unfinished saves of its last run go
-            CheckpointStore(root).clean_orphans(older_than=0)
-        return self.step
-
-
-def load_hf(stage: ModelStage, path: str, *, fresh_head: tuple[int, float] | None = None) -> None:
-    """This rank's boxes of a HuggingFace checkpoint, read through memory maps: only the
-    pages of the boxes are touched, and ``copy_`` casts them to the stage's dtype.
-
-    ``fresh_head=(seed, std)``: ``path`` is the causal LM a value model is built on (a critic
-    that shares the actor's ``model``, started as verl and OpenRLHF start one): the backbone
-    comes from the checkpoint, its ``lm_head`` is not read, and ``score.weight`` is drawn as
-    ``init_stage`` draws it."""
-    from nereus.store.hf import HFCheckpoint, check_against_spec
-
-    ckpt = HFCheckpoint.open(path)
-    spec = stage.args.spec
-    check_against_spec(ckpt, replace(spec, head="lm") if fresh_head else spec)
-    check_forward_settings(stage.args, ckpt.config, path)
-    if fresh_head is None:
-        load_full(stage.part, ckpt.mapped)
-        return
-    seed, std = fresh_head
-    shapes = {t.name: t.shape for t in stage.part.layouts()}
-    load_full(stage.part, lambda name: init_tensor(name, shapes[name], seed, std) if name == "score.weight" else ckpt.mapped(name))
-
-
-def check_forward_settings(args: ModelArgs, config: dict, path: str) -> None:
-    """What the config's ``model`` says about the forward (RoPE base and scaling, RMSNorm eps)
-    must be what the checkpoint was trained with: a mismatch computes silently wrong outputs."""
-    hf = ModelArgs.from_hf_config(config)
-    for key in ("rope_theta", "rope_scaling", "rms_norm_eps"):
-        ours, theirs = getattr(args, key), getattr(hf, key)
-        if ours != theirs:
-            raise ValueError(f"model.{key} is {ours!r}, but {path}/config.json has {theirs!r}: set it to match")
-
 
 def _length_summary(batch: dict) -> dict:
     """The step's prompt width and response length distribution (its mean is the step's
@@ -676,13 +433,6 @@ def _padded(out, width: int, pad_id: int, *, prompt_width: int | None = None) ->
         "response_mask": pad(out.response_mask, False)[:, -width:],
         "logprobs": torch.nn.functional.pad(out.logprobs, (0, extra), value=0.0),
     }
-
-
-def _seed(*parts: int) -> int:
-    h = 0
-    for p in parts:
-        h = (h * 1_000_003 + p + 1) % (1 << 62)
-    return h
 
 
 def _finish_metrics(sums: dict[str, ppo.LossSums], norms: dict[str, list[float]], minibatches: int,
@@ -726,15 +476,3 @@ def worker_device(cfg: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
-MESSAGES = 64
-"""The most measured messages one reshard hands the controller (evenly spread over its own)."""
-
-
-def measured_messages(result) -> list[tuple[int, int, int, float]]:
-    """This rank's measured messages of a reshard (``StreamResult.stats``), ``(src, dst,
-    bytes, seconds)``: what the controller refits the transitions' link costs on. NCCL's
-    coalesced rounds are left out (a round's time, an upper bound of a link's only)."""
-    stats = getattr(result, "stats", None)
-    samples = [m for m in (stats.samples if stats is not None else ()) if not m.coalesced]
-    every = max(1, -(-len(samples) // MESSAGES))
-    return [(m.src, m.dst, m.nbytes, m.seconds) for m in samples[::every]]

@@ -1,28 +1,35 @@
-"""One rank of ``nereus train``: it joins the process group, starts the trainer fresh or
-restores it from the newest valid source in a plan for the world there is, and runs the
-step loop — metrics to ``RUN_DIR/metrics.jsonl`` and the trackers of ``logging.trackers``
-(console and TensorBoard by default; ``trainer/metrics/trackers.py``) from rank 0, durable
-checkpoints every ``checkpoint_every`` steps, the per-step staged copy
-(``trainer/elastic/staging.py``) and the controller's seam (``JobControl``: rank 0 observes and
-decides, every rank applies the broadcast decision). The step itself is
-``trainer/runtime/step.py``'s ``Trainer``."""
+"""One rank of ``nereus train``: join the process group, start the trainer fresh or restore it
+from the newest valid source in a plan for the world there is, and run the step loop.
+
+The loop (``run_worker``) drives a few components, each with one job:
+
+- ``Trainer`` (``step.py``): the step itself;
+- ``MetricsLog`` (rank 0): ``RUN_DIR/metrics.jsonl`` and the trackers of ``logging.trackers``
+  (console and TensorBoard by default; ``trainer/metrics/trackers.py``);
+- ``JobBook`` (rank 0): the store's job record (``trainer/elastic/job_record.py``);
+- ``Stager``: the per-step staged copy in node memory (``trainer/elastic/staging.py``);
+- ``JobControl``: the controller's seam (``control.py``: rank 0 observes and decides, every
+  rank applies the broadcast decision);
+- durable checkpoints every ``checkpoint_every`` steps (``checkpoint.py``), and validation
+  every ``validation.every`` steps.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, JobConfig, config_to_dict
-from .step import Trainer, worker_device
-from ..metrics.log import MetricsLog
-from ..metrics.meters import release_freed_memory
 from ..data.rewards import RewardError
+from ..metrics.log import MetricsLog
+from .control import JobControl
+from .step import Trainer, worker_device
 
 
 def join_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
@@ -46,7 +53,7 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     """One rank of ``nereus train`` (the process group is initialised from the environment).
 
     With ``resume``, and on every restart by the elastic agent, the state comes back from the
-    newest valid source (``trainer/elastic/staging.py``: the staged copy of the last completed step
+    newest valid source (``trainer/elastic/restore.py``: the staged copy of the last completed step
     on this node, checked, else the latest durable checkpoint) into ``cfg``'s plan, whatever
     the plan it was saved in (``trainer/elastic/resume.py`` chooses the plan before the launch; on a
     restart the source's own plan is taken where it runs on this world). With
@@ -62,8 +69,7 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     message}`` on every rank when the job stopped on a non-finite loss (the last committed
     checkpoint is left as it was), the run dir was refused, or no source could be restored.
     """
-    from ..elastic.staging import Stager, agree_start, finish_staging, staging_mode
-    from ..metrics.trackers import flush_trackers
+    from ..elastic.restore import agree_start
 
     times = {"entry": time.time()}  # when this attempt's worker started, for tools/bench_elastic.py's recovery split
     device = worker_device(cfg)
@@ -79,9 +85,31 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
         started = _start(cfg, resume, start, device, times)
         if "error" in started:
             return started
-        trainer, first, record = started["trainer"], started["first"], started["record"]
-        cfg = trainer.cfg
-        rank0 = trainer.rank == 0
+        loop = _Loop.open(started["trainer"], started["first"], started["record"], times)
+        return loop.run()
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(kw_only=True)
+class _Loop:
+    """The step loop's components (module docstring); ``log`` and ``book`` on rank 0 only."""
+
+    trainer: Trainer
+    first: int
+    record: dict | None  # how the trainer was restored, logged once its first step completes
+    times: dict
+    log: MetricsLog | None
+    book: object | None
+    stager: object | None
+    control: JobControl | None
+    staging: bool
+
+    @classmethod
+    def open(cls, trainer: Trainer, first: int, record: dict | None, times: dict) -> _Loop:
+        from ..elastic.staging import Stager, staging_mode
+
+        cfg, rank0 = trainer.cfg, trainer.rank == 0
         log = MetricsLog(cfg.run_dir, total=cfg.steps, first_step=first, settings=cfg.logging, config=config_to_dict(cfg)) if rank0 else None
         book = None
         if rank0:  # the resolved config (``nereus report`` reads the budget from it), and the store's job record
@@ -94,60 +122,77 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
             book = JobBook(CheckpointStore(trainer.checkpoint_root()).meta)
             book.start(cfg, first, restore_s=(record or {}).get("restore_s", 0.0))
         staging = staging_mode(cfg)
-        stager = Stager(cfg, trainer.rank, [e for s in trainer._trained() for e in s.emus]) if staging else None
+        stager = Stager(cfg, trainer.rank, [e for s in trainer.trained_stages() for e in s.emus]) if staging else None
         if stager is not None and not stager.enabled:
             stager.close()
             stager = None
         control = JobControl(trainer, first, book) if cfg.controller.enabled else None
+        return cls(trainer=trainer, first=first, record=record, times=times, log=log, book=book, stager=stager, control=control,
+                   staging=staging)
+
+    def run(self) -> dict:
+        """Steps to ``cfg.steps``; the last step's metrics, or ``{"error": message}``."""
+        from ..elastic.staging import finish_staging
+
+        trainer, cfg = self.trainer, self.trainer.cfg
         last: dict = {}
-        validate_every = cfg.validation.every
         finished = False  # the trackers record a run that stopped on an error as failed
         try:
-            if validate_every and cfg.validation.at_start and first == 0:
+            if cfg.validation.every and cfg.validation.at_start and self.first == 0:
                 before = trainer.validate()
-                if log and before:
-                    log.write_validation(0, before)
+                if self.log and before:
+                    self.log.write_validation(0, before)
             while trainer.step < cfg.steps:
-                metrics = gather_rank_figures(trainer.run_step())
-                if validate_every and (trainer.step % validate_every == 0 or trainer.step == cfg.steps):
-                    metrics.update(trainer.validate())
-                if stager is not None and stager.figures():  # the previous step's staging, whose write overlapped this step
-                    metrics["staging"] = stager.figures()
-                if log:
-                    log.write(metrics)
-                last = metrics
-                if record is not None and rank0:  # the first step after a restore completed
-                    from ..elastic.staging import log_restore
-
-                    log_restore(cfg.run_dir, {**record, **times, "first_step_done": time.time()})
-                record = None
-                if control is not None:  # the last step is observed too, and decides nothing
-                    control.after_step(metrics, decide=trainer.step < cfg.steps)
-                every = cfg.checkpoint_every
-                durable = (every and trainer.step % every == 0) or trainer.step == cfg.steps
-                staged = stager is not None and trainer.step < cfg.steps  # the last step's state is the final checkpoint
-                if log and (durable or staged):  # the trackers hold this step before a state of it commits
-                    flush_trackers(log.trackers)
-                if durable:
-                    trainer.save()
-                if staged:
-                    trainer.stage(stager)
+                last = self.step()
             finished = True
-        except FloatingPointError as e:
-            return {"error": f"{e}; stopped, the last committed checkpoint is unchanged"}
-        except RewardError as e:  # raised on every rank together (sources.DatasetSource.rewards)
+        except (FloatingPointError, RewardError) as e:  # raised on every rank together (a RewardError: DatasetSource.rewards)
             return {"error": f"{e}; stopped, the last committed checkpoint is unchanged"}
         finally:
-            if stager is not None:
-                stager.close()
+            if self.stager is not None:
+                self.stager.close()
             trainer.source.close()
-            if log:
-                log.close(failed=not finished)
-        if staging and finished:  # the final checkpoint holds the last step: the node's memory is given back
+            if self.log:
+                self.log.close(failed=not finished)
+        if self.staging and finished:  # the final checkpoint holds the last step: the node's memory is given back
             finish_staging(cfg)
         return last
-    finally:
-        dist.destroy_process_group()
+
+    def step(self) -> dict:
+        """One step and what follows it: validation, the metrics, the controller, the state kept."""
+        trainer, cfg = self.trainer, self.trainer.cfg
+        metrics = gather_rank_figures(trainer.run_step())
+        every = cfg.validation.every
+        if every and (trainer.step % every == 0 or trainer.step == cfg.steps):
+            metrics.update(trainer.validate())
+        if self.stager is not None and self.stager.figures():  # the previous step's staging, whose write overlapped this step
+            metrics["staging"] = self.stager.figures()
+        if self.log:
+            self.log.write(metrics)
+        if self.record is not None and trainer.rank == 0:  # the first step after a restore completed
+            from ..elastic.restore import log_restore
+
+            log_restore(cfg.run_dir, {**self.record, **self.times, "first_step_done": time.time()})
+        self.record = None
+        if self.control is not None:  # the last step is observed too, and decides nothing
+            self.control.after_step(metrics, decide=trainer.step < cfg.steps)
+        self.keep_state()
+        return metrics
+
+    def keep_state(self) -> None:
+        """The durable checkpoint every ``checkpoint_every`` steps and at the end; the staged
+        copy of every other step (the last step's state is the final checkpoint)."""
+        from ..metrics.trackers import flush_trackers
+
+        trainer, cfg = self.trainer, self.trainer.cfg
+        every = cfg.checkpoint_every
+        durable = (every and trainer.step % every == 0) or trainer.step == cfg.steps
+        staged = self.stager is not None and trainer.step < cfg.steps
+        if self.log and (durable or staged):  # the trackers hold this step before a state of it commits
+            flush_trackers(self.log.trackers)
+        if durable:
+            trainer.save()
+        if staged:
+            trainer.stage(self.stager)
 
 
 def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, times: dict) -> dict:
@@ -157,7 +202,7 @@ def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, time
     fresh), or ``{"error": message}`` on every rank."""
     from ..elastic.resume import plan_for_start
     from ..elastic.lineage import launch_round, new_lineage, publish_lineage, rdzv_round, restart_count
-    from ..elastic.staging import DURABLE_REFUSED, agree_sources, restore_newest
+    from ..elastic.restore import DURABLE_REFUSED, agree_sources, restore_newest
 
     durable = os.path.join(cfg.run_dir, "checkpoints")
     restoring, restart = start["restoring"], start["restart"]
@@ -208,80 +253,6 @@ def _agreed(value):
     out = [value]
     dist.broadcast_object_list(out, src=0)
     return out[0]
-
-
-class JobControl:
-    """The controller's seam in the step loop, on every rank: rank 0 observes and decides,
-    every rank applies the decision it broadcasts (module docstring of ``controller``)."""
-
-    def __init__(self, trainer: Trainer, first_step: int, book=None) -> None:
-        from ..controller.online import Controller
-        from ..controller.profiles import load_profile
-
-        self.trainer, self.book = trainer, book  # book: rank 0's ``job_record.JobBook``
-        self.controller = None
-        if trainer.rank == 0:
-            profile = load_profile(trainer.cfg.device_profile)
-
-            def fresh() -> Controller:
-                return Controller(trainer.cfg, profile, run_dir=trainer.cfg.run_dir, first_step=first_step)
-
-            self.controller = fresh()
-            try:
-                self.controller.load_state(trainer.restored_state.get("controller", {}))
-            except Exception as e:  # noqa: BLE001 - a state this version cannot read: re-learned, never a rank that dies alone
-                self.controller = fresh()
-                print(f"nereus: the controller's saved state was not restored ({type(e).__name__}: {e}); it starts afresh",
-                      file=sys.stderr, flush=True)
-        trainer.extra_state["controller"] = {}
-        if self.controller is not None:  # taken when a checkpoint or a staged copy is written, not every step (~1 MB of JSON)
-            trainer.state_providers["controller"] = lambda: self.controller.state_dict()
-
-    def after_step(self, metrics: dict, *, decide: bool = True) -> None:
-        trainer, decision = self.trainer, None
-        messages = list(trainer.messages)  # the step's weight syncs' and the last transition's, on every rank
-        trainer.messages.clear()
-        if self.controller is not None:
-            try:
-                self.controller.observe_transfers(messages)
-                self.controller.observe(trainer.cfg, metrics)
-                decision = self.controller.decide(trainer.cfg, metrics) if decide else None
-            except Exception as e:  # noqa: BLE001 - a controller failure never stops the job: the plan stays
-                self.controller.failed(int(metrics["step"]), e)
-        if not decide:  # every rank knows: no broadcast
-            return
-        message = [decision.new_plan if decision is not None and decision.admitted else None]
-        dist.broadcast_object_list(message, src=0)
-        if message[0] is not None:
-            from ..config import PlanConfig, build_tree
-
-            from nereus.reshard.errors import TransitionTimeout
-
-            try:
-                done = trainer.apply_plan(build_tree(PlanConfig, message[0], "plan."), verify=trainer.cfg.controller.verify)
-            except TransitionTimeout as e:  # the group may hold pending ops: no collective on it again
-                raise RuntimeError(
-                    f"plan transition at step {metrics['step']} timed out: {e}. The process group cannot be reused: restart "
-                    "the workers (torchrun restarts them; nereus train --resume continues from the last checkpoint)"
-                ) from e
-            except Exception as e:  # noqa: BLE001 - the old plan keeps running (apply_plan is all or nothing)
-                done = {"error": f"{type(e).__name__}: {e}"}
-            # every rank runs this, failed or not: (failed, committed, peak) over the world
-            agreed = torch.tensor([float("error" in done), float("error" not in done), float(done.get("peak_bytes", 0))])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            if agreed[0].item() and agreed[1].item():
-                raise RuntimeError(
-                    f"plan transition at step {metrics['step']} committed on some ranks and failed on others "
-                    f"({done.get('error', 'this rank committed')}): the job stops; --resume restarts from the last checkpoint"
-                )
-            if "error" not in done:
-                done["peak_bytes"] = int(agreed[2].item())  # the most any rank held while both layouts lived
-            release_freed_memory(trainer.device)
-            if self.controller is not None:
-                self.controller.transitioned(decision, done)
-            if self.book is not None and "error" not in done:
-                self.book.transitioned(trainer.cfg, int(metrics["step"]), predicted_s=decision.transition_seconds,
-                                       measured_s=done["seconds"], nbytes=done["bytes"])
 
 
 WAITING_PIECES = ("train.check", "advantages")

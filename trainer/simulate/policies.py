@@ -6,7 +6,7 @@
 - ``adaptive``: Nereus — the live ``Controller`` itself (``trainer/controller/online.py``)
   through the step loop's seam: ``observe(cfg, metrics)`` after every step, ``decide(cfg,
   metrics)`` before the next, ``transitioned(decision, done)`` after an admitted move, as
-  ``trainer/runtime/worker.py``'s ``JobControl`` calls them. A change of the devices is its ``world``
+  ``trainer/runtime/control.py``'s ``JobControl`` calls them. A change of the devices is its ``world``
   trigger (urgent): ``decide(cfg, None, nproc=n)`` on the new world, the running plan's
   stages on explicit ranks (what they hold while the world changes under them); when the
   controller finds a plan but no live move to it fits the memory, the workers restart in
@@ -28,7 +28,7 @@
   the search is a beam, which can do better with less memory on some traces).
 
 A controller that raises (in ``observe``, ``decide`` or its world path) is logged through
-``Controller.failed`` and the plan kept, as ``trainer/runtime/worker.py``'s ``JobControl`` does; the
+``Controller.failed`` and the plan kept, as ``trainer/runtime/control.py``'s ``JobControl`` does; the
 policy's ``errors`` record it (the summary's ``controller_errors``).
 
 A world no plan of the job can use (too few devices) makes a policy wait: its steps do
@@ -180,7 +180,7 @@ class Adaptive(Policy):
 
     def __init__(self, cfg: JobConfig, truth: Truth, *, run_dir: str | None = None) -> None:
         super().__init__(cfg, truth)
-        # the live controller as trainer/runtime/worker.py's JobControl builds it: its own transition
+        # the live controller as trainer/runtime/control.py's JobControl builds it: its own transition
         # model (default link costs), nothing of the truth's
         self.controller = self._controller(cfg, run_dir=run_dir)
 

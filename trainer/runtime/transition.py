@@ -1,0 +1,192 @@
+"""Plan transitions and weight syncs: a model-stage's state streamed from one layout into another.
+
+- ``WeightSync``: every step, ``actor.train``'s parameters stream into ``actor.gen``'s live
+  ones (and ``critic.train``'s into ``critic.infer``'s): the overlap plan and its transition
+  graph are computed once per pair of layouts, the bytes move through reshard's stream
+  executor, cast to the rollout dtype on the way.
+- ``apply_plan(trainer, plan)``: the job moves to a new plan between steps (the controller's
+  admitted decisions). Stages whose layout changes are built anew and their weights and
+  AdamW state stream from the old layout to the new one, exact; stages whose micro-batches
+  alone change are retuned in place.
+- ``measured_messages``: what the controller refits its link costs on.
+
+``trainer`` is a ``runtime.step.Trainer`` (its stages, config, meter and message log).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from nereus.reshard.arrays import arrays_from_plan
+from nereus.reshard.execute import execute
+from nereus.reshard.graph import plan_graph
+from nereus.reshard.plan import plan_transfers
+from nereus.reshard.stream import StagingArena
+
+from ..metrics.meters import trim_heap
+from .stages import ModelStage, build_stages, make_optimizer
+
+
+@dataclass(kw_only=True)
+class WeightSync:
+    """Parameters of one model-stage streamed into another's live parameters each step."""
+
+    src: ModelStage
+    dst: ModelStage
+
+    def __post_init__(self) -> None:
+        src = [e.params_only() for e in self.src.emus]
+        dst = [e.params_only() for e in self.dst.emus]
+        self.plan = plan_transfers(src, dst, cast=True)  # float32 masters -> the rollout dtype, cast on the way
+        self.graph = plan_graph(arrays_from_plan(self.plan))
+        # Host staging is kept across steps (its pages stay touched); CUDA's caching
+        # allocator already reuses blocks, and a kept buffer would sit through training.
+        self.staging = StagingArena("cpu")
+
+    def __call__(self):
+        """Stream the weights; returns this rank's ``StreamResult`` (its ``.stats``).
+
+        A reshard past its deadline leaves the process group unusable (ops may be pending:
+        ``reshard.errors.TransitionTimeout``); that is raised as a RuntimeError telling the
+        job to restart its workers on a fresh group, never retried on the broken one."""
+        from nereus.reshard.errors import TransitionTimeout
+
+        rank, src, dst = dist.get_rank(), self.src.param_buffers(), self.dst.param_buffers()
+        on_host = all(t.device.type == "cpu" for t in (*src.values(), *dst.values()))
+        try:
+            return execute(self.plan, self.graph, src, rank=rank, dst_buffers=dst, staging=self.staging if on_host else None)
+        except TransitionTimeout as e:
+            raise RuntimeError(
+                f"weight sync {self.src.key} -> {self.dst.key} timed out: {e}. The process group cannot be reused: "
+                "restart the workers (torchrun restarts them; nereus train --resume continues from the last checkpoint)"
+            ) from e
+
+
+def plan_syncs(stages: dict[str, ModelStage]) -> list[WeightSync]:
+    """The step's weight syncs between ``stages``: actor.train → actor.gen, and critic.train →
+    critic.infer when the plan has one."""
+    syncs = [WeightSync(src=stages["actor.train"], dst=stages["actor.gen"])]
+    if "critic.infer" in stages:
+        syncs.append(WeightSync(src=stages["critic.train"], dst=stages["critic.infer"]))
+    return syncs
+
+
+def apply_plan(trainer, plan, *, verify: bool = False) -> dict:
+    """Move the job to ``plan`` between steps, on every rank (collective; every rank calls
+    it with the same plan). The model-stages whose layout changes are built anew (groups,
+    modules on meta, parallelize) and their state — weights, and AdamW state of a
+    training stage — streams from the old layout to the new one through reshard, exact;
+    then the weight syncs are re-planned and the old layout's process groups destroyed.
+
+    All or nothing: a rank that fails to build its part tells the others (one all-reduce
+    before any state moves), and every rank keeps the old plan; reshard refuses on every
+    rank together. With ``verify`` the moved state is gathered on rank 0 and compared with
+    the old, element for element, before the new stages take over (a mismatch keeps the
+    old plan). Either way the old stages are untouched and the error is raised.
+    Returns ``{"stages": [...], "rebuilt": [...], "bytes": cross-rank bytes, "seconds": s,
+    "verified": n, "peak_bytes": b}`` (``rebuilt``: the stages built anew, the others only
+    retuned their micro-batch size; ``verified``: tensors compared, 0 without ``verify``;
+    ``peak_bytes``: this rank's measured peak while building and moving, verification
+    excluded — it gathers whole tensors on rank 0)."""
+    from ..controller.transition import changed_stages, rebuilt_stages
+    from ..parallel.groups import release_groups
+    from .stages import stage_group_ranks
+
+    t0 = time.perf_counter()
+    new_cfg = replace(trainer.cfg, plan=plan)
+    changed = rebuilt_stages(trainer.cfg.plan, plan)
+    retuned = [k for k in changed_stages(trainer.cfg.plan, plan) if k not in changed]
+
+    def retune() -> None:  # a new micro-batch size: the same modules and state
+        for key in retuned:
+            trainer.stages[key].settings = plan.stages()[key]
+        trainer.cfg = new_cfg
+
+    if not changed:
+        retune()
+        return {"stages": retuned, "rebuilt": [], "bytes": 0, "seconds": time.perf_counter() - t0, "verified": 0,
+                "peak_bytes": 0}
+    if trainer.device.type == "cpu":
+        trim_heap()  # the peak below is the move's own
+    try:
+        with trainer.meter("transition"):
+            fresh, moved = _build_and_move(trainer, new_cfg, changed)
+    finally:
+        trainer.meter.seconds.pop("transition", None)
+        peak = trainer.meter.peaks.pop("transition", 0)
+    verified = _verify_moved(trainer, changed, fresh) if verify else 0
+    for key in changed:  # AdamW's step moved with its state: the schedule continues from it
+        if key.endswith(".train"):
+            trainer.attach_schedule(key, fresh[key])
+    trainer.stages = {**trainer.stages, **fresh}
+    retune()
+    trainer.syncs = plan_syncs(trainer.stages)
+    release_groups(stage_group_ranks(trainer.stages))
+    return {"stages": changed + retuned, "rebuilt": changed, "bytes": moved, "seconds": time.perf_counter() - t0,
+            "verified": verified, "peak_bytes": peak}
+
+
+def _build_and_move(trainer, new_cfg, changed: list[str]) -> tuple[dict, int]:
+    """Build the ``changed`` stages of ``new_cfg`` and stream their state into them; the
+    fresh stages and the bytes that crossed ranks."""
+    error, plans = None, {}
+    try:  # every rank's own part, agreed on below before any state moves
+        fresh = build_stages(new_cfg, trainer.rank, trainer.device, keys=changed)  # groups first: collective, in order
+        for key in changed:
+            if key.endswith(".train") and fresh[key].part is not None:
+                make_optimizer(fresh[key], trainer.lr(key))
+        for key in changed:
+            plans[key] = plan_transfers(trainer.stages[key].emus, fresh[key].emus)
+    except Exception as e:  # noqa: BLE001 - agreed on below, then raised on every rank
+        error = f"rank {trainer.rank}: {type(e).__name__}: {e}"
+    flag = torch.tensor([0.0 if error is None else 1.0])
+    dist.all_reduce(flag)
+    if flag.item():
+        raise RuntimeError(f"plan transition refused before any state moved: {error or 'another rank failed to build'}")
+    moved = 0
+    for key in changed:  # reshard's agreement fails every rank together, within its deadline
+        old, new, transfers = trainer.stages[key], fresh[key], plans[key]
+        moved += sum(t.nbytes for t in transfers.transfers if t.src_rank != t.dst_rank)
+        dst = new.buffers() if new.member else {}
+        result = execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=trainer.rank,
+                         dst_buffers=dst)
+        trainer.messages.extend(measured_messages(result))
+    return fresh, moved
+
+
+def _verify_moved(trainer, keys: list[str], fresh: dict) -> int:
+    """Gather every moved tensor in both layouts on rank 0 and compare them bit for bit;
+    raise on every rank when any differs. Returns how many tensors were compared."""
+    from nereus.reshard.gather import gather_full
+
+    bad, count = [], 0
+    for key in keys:
+        old = gather_full(trainer.stages[key].emus, trainer.stages[key].buffers(), trainer.rank)
+        new = gather_full(fresh[key].emus, fresh[key].buffers(), trainer.rank)
+        if trainer.rank == 0:
+            count += len(new)
+            bad += [f"{key}/{n} (missing in the new layout)" for n in old if n not in new]
+            bad += [f"{key}/{n}" for n, t in new.items() if n not in old or not torch.equal(t.view(-1).view(torch.uint8), old[n].view(-1).view(torch.uint8))]
+    verdict = [bad, count]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise RuntimeError(f"plan transition refused: {len(verdict[0])} tensors differ after the move, e.g. {verdict[0][:3]}")
+    return verdict[1]
+
+
+MESSAGES = 64
+"""The most measured messages one reshard hands the controller (evenly spread over its own)."""
+
+
+def measured_messages(result) -> list[tuple[int, int, int, float]]:
+    """This rank's measured messages of a reshard (``StreamResult.stats``), ``(src, dst,
+    bytes, seconds)``: what the controller refits the transitions' link costs on. NCCL's
+    coalesced rounds are left out (a round's time, an upper bound of a link's only)."""
+    stats = getattr(result, "stats", None)
+    samples = [m for m in (stats.samples if stats is not None else ()) if not m.coalesced]
+    every = max(1, -(-len(samples) // MESSAGES))
+    return [(m.src, m.dst, m.nbytes, m.seconds) for m in samples[::every]]

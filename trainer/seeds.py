@@ -1,0 +1,41 @@
+"""Every seed the job derives, in one place (pure; no imports of the project).
+
+Randomness in a step is keyed by what it is about — the job's seed, the step, a row, a
+parameter's name, an epoch — never by a rank or a replica, so that every layout draws the
+same numbers (``docs/correctness.md``). Each mixer is a fixed formula: changing one changes
+every trained number, and tests pin them.
+
+- ``mix(*parts)``: a step's draws (the rollout's uniforms ``(seed, step)``, a validation chunk's
+  ``(seed, step, -1 - k)``, the mini-batch permutation ``(seed, step, 99)``, the prompts
+  ``(seed, step, 0)``): h ← (h · 1,000,003 + p + 1) mod 2^62 over the parts;
+- ``row_seed(seed, row)``: vLLM's per-request seed of one rollout row, the same step of ``mix``;
+- ``param_seed(seed, name)``: a parameter's own init generator, (seed · 1,000,003 + crc32(name))
+  mod 2^63, so a pipeline stage or a tied copy draws what the whole model draws;
+- ``epoch_seed(seed, epoch)``: a dataset epoch's permutation, 63 bits of blake2b.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+
+
+def mix(*parts: int) -> int:
+    h = 0
+    for p in parts:
+        h = (h * 1_000_003 + p + 1) % (1 << 62)
+    return h
+
+
+def row_seed(seed: int, row: int) -> int:
+    return (seed * 1_000_003 + row + 1) % (1 << 62)
+
+
+def param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The generator seed of one epoch's permutation: 63 bits of blake2b("seed:epoch")."""
+    digest = hashlib.blake2b(f"nereus.data:{seed}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
