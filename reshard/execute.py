@@ -12,7 +12,7 @@ staged checkpoint (``src_rank == STAGED``); one transition may mix both per EMU.
    the group: a problem on any rank (staged or stream) makes every rank raise the same
    error before any byte moves;
 3. the rounds run: streamed transfers point-to-point, staged regions read through DCP
-   (:func:`~nereus.reshard.staged.load_staged`) in the round the graph placed them, so
+   (:func:`~nereus.reshard.staged_load.load_staged`) in the round the graph placed them, so
    the memory the graph planned is the memory used. With ``checksums`` each staged block
    is verified on the bytes that read fetches (one read per byte, object stores included);
    a block that fails is recorded and, after the last round, every rank raises the same
@@ -52,8 +52,9 @@ from .agreement import agree, verdict_of
 from .errors import CoverageError, MemoryBudgetError, ProcessGroupError, TransferError
 from .layout import DTYPES
 from .plan import STAGED, Transfer, TransferPlan
-from .staged import StagedLoadPlanner, StagedReader, check_staged, load_staged, run_load, save_staged, staged_transfers
-from .stream import StagingArena, StreamResult, StreamStats, _check_buffer, execute_stream, group_ranks
+from .staged import save_staged
+from .staged_load import StagedLoadPlanner, StagedReader, check_staged, load_staged, run_load, staged_transfers
+from .stream import StagingArena, StreamResult, StreamStats, check_buffer, execute_stream, group_ranks
 from .transport import Deadline, transport_for
 
 
@@ -200,7 +201,7 @@ def reshard_staged(
     def precheck() -> None:  # the targets given; presence, sizes, checksums listed: no byte of data read
         targets = plan.dst_buffers.get(rank, {})
         problems = [p for name, tensor in (dst_buffers or {}).items()
-                    for p in _check_buffer("target", name, tensor, targets.get(name), rank)]
+                    for p in check_buffer("target", name, tensor, targets.get(name), rank)]
         if problems:
             more = f"; {len(problems) - 4} more" if len(problems) > 4 else ""
             raise ProcessGroupError(f"rank {rank}: " + "; ".join(problems[:4]) + more)

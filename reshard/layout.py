@@ -177,7 +177,7 @@ class TensorLayout:
         """Raise unless the distinct boxes tile the whole tensor without overlap."""
         boxes = list(self.unique_boxes())
         total = sum(math.prod(lengths) for _, lengths in boxes)
-        overlap = _first_overlap(boxes)
+        overlap = first_overlap(boxes)
         if overlap is not None:
             a, b = overlap
             raise LayoutError(
@@ -191,7 +191,7 @@ class TensorLayout:
             )
 
 
-def _first_overlap(boxes: list[tuple[Dims, Dims]]) -> tuple | None:
+def first_overlap(boxes: list[tuple[Dims, Dims]]) -> tuple | None:
     """The first pair of boxes that intersect, by a sweep along dim 0 (None if disjoint)."""
     if not boxes or not boxes[0][0]:
         return None if len(boxes) <= 1 else (boxes[0], boxes[1])

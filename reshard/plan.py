@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .errors import CoverageError, LayoutError, MismatchError
-from .layout import DTYPES, EMU, BufferSpec, Dims, Shard, TensorLayout, _first_overlap, box_view, itemsize, local_buffers
+from .layout import DTYPES, EMU, BufferSpec, Dims, Shard, TensorLayout, first_overlap, box_view, itemsize, local_buffers
 
 STAGED = -1
 """``Transfer.src_rank`` of a region read from the staged checkpoint."""
@@ -189,7 +189,7 @@ def plan_tensor(
         return []
     src_keys = list(src_boxes)
     dst_keys = list(dst_boxes)
-    overlap = _first_overlap(src_keys)
+    overlap = first_overlap(src_keys)
     if overlap is not None:
         (ao, an), (bo, bn) = overlap
         raise LayoutError(

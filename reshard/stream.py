@@ -35,7 +35,7 @@ from a buffer; ``device=`` overrides. Buffers on another device are a verdict er
 The result is a :class:`StreamResult`: the dict ``buffer name -> tensor`` of this rank's
 target buffers, with ``.stats`` (:class:`StreamStats`): bytes by kind, seconds by phase,
 and one :class:`MessageSample` per received message (link, bytes, seconds of service on
-that link); ``stats.link_samples(cost)`` feeds ``graph.calibrate`` for the alpha-beta model.
+that link); ``stats.link_samples(cost)`` feeds ``links.calibrate`` for the alpha-beta model.
 """
 
 from __future__ import annotations
@@ -108,16 +108,16 @@ def check_stream_inputs(
     specs = plan.src_buffers.get(rank, {})
     needed = {plan.transfers[i].src_buffer for ops in rounds for i in (*ops.copies, *ops.sends)}
     for name in sorted(needed):
-        problems += _check_buffer("source", name, src_buffers.get(name), specs.get(name), rank, device)
+        problems += check_buffer("source", name, src_buffers.get(name), specs.get(name), rank, device)
     targets = plan.dst_buffers.get(rank, {})
     for name, tensor in (dst_buffers or {}).items():
-        problems += _check_buffer("target", name, tensor, targets.get(name), rank, device)
+        problems += check_buffer("target", name, tensor, targets.get(name), rank, device)
     if len(problems) > 4:
         problems = problems[:4] + [f"{len(problems) - 4} more problems"]
     return "; ".join(problems) or None
 
 
-def _check_buffer(side: str, name: str, tensor, spec, rank: int, device=None) -> list[str]:
+def check_buffer(side: str, name: str, tensor, spec, rank: int, device=None) -> list[str]:
     if spec is None:
         return [f"{side} buffer {name!r} is not in the plan's {side} buffers of rank {rank}"]
     if tensor is None:

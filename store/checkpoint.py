@@ -50,7 +50,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from nereus.reshard.layout import DTYPES, EMU, Shard, TensorLayout, shard_view
 from nereus.reshard.plan import merge_layouts, plan_transfers
-from nereus.reshard.staged import StagedBox, StagedReader, load_staged, record_from_boxes, staged_transfers
+from nereus.reshard.staged import StagedBox, record_from_boxes
+from nereus.reshard.staged_load import StagedReader, load_staged, staged_transfers
 
 from .checksum import CHECKSUM, blocks_of, checksums_of, region_span
 from .dcp_io import BoxSavePlanner, BoxWriter, BoxWritten, dcp_save, plan_owned_boxes

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from nereus.reshard.derive import DecoderSpec, derive_emus, plan_parameters
 from nereus.reshard.layout import DTYPES, EMU, ParallelConfig, Shard, TensorLayout, box_view, dtype_name
 from nereus.reshard.plan import plan_transfers
-from nereus.reshard.staged import StagedLoadPlanner
+from nereus.reshard.staged_load import StagedLoadPlanner
 
 from nereus.reshard.errors import TransferError
 

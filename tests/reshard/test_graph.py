@@ -10,7 +10,8 @@ from nereus.reshard.arrays import LINK_CLASSES, TransferArrays, arrays_from_plan
 from nereus.reshard.derive import DecoderSpec, derive_emus
 from nereus.reshard.errors import MemoryBudgetError
 from nereus.reshard.estimate import estimate_transfers
-from nereus.reshard.graph import FREED_BEFORE, KEPT, STAGED_PIECE_BYTES, LinkCost, calibrate, plan_graph
+from nereus.reshard.graph import FREED_BEFORE, KEPT, STAGED_PIECE_BYTES, plan_graph
+from nereus.reshard.links import LinkCost, calibrate
 from nereus.reshard.layout import ParallelConfig, Shard, TensorLayout
 from nereus.reshard.plan import STAGED, plan_transfers
 

@@ -19,7 +19,8 @@ from nereus.reshard.errors import CoverageError, TransferError
 from nereus.reshard.layout import DTYPES, Shard, TensorLayout
 from nereus.reshard.plan import STAGED, merge_layouts, plan_transfers
 from nereus.reshard.reference import mismatches, reference_box, reference_state
-from nereus.reshard.staged import StagedLoadPlanner, StagedReader, box_file, check_staged, load_staged, save_staged
+from nereus.reshard.staged import box_file, save_staged
+from nereus.reshard.staged_load import StagedLoadPlanner, StagedReader, check_staged, load_staged
 from tests.distributed_harness import run_distributed
 
 from .strategies import emu_of

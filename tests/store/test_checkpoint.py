@@ -277,7 +277,7 @@ def test_a_rank_verifies_and_reads_only_the_blocks_it_needs(tmp_path):
     dst = _one_tensor_emu([(0, (0, 0), (1024, 1024)), (1, (1024, 0), (1024, 1024))], [0, 1])
     import numpy as np
 
-    from nereus.reshard import staged
+    from nereus.reshard import staged_load as staged
 
     read: list[tuple[int, int]] = []
     real_map = staged.StagedReader._map

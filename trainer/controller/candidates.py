@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus.reshard.derive import plan_layer_ranges
+from nereus.reshard.derive import plan_layer_ranges, plan_parameters
 
 from ..config import StageConfig
 
@@ -137,8 +137,6 @@ class Candidates:
 
     def elements(self, spec) -> np.ndarray:
         """``memory.local_elements`` of every layout, [layouts, its largest pp] (0 past a layout's pp)."""
-        from .memory import local_elements
-
         def table():
             held = [local_elements(spec, sc.tp, sc.pp, sc.dp, sc.dp_shard) for sc in self.layouts]
             out = np.zeros((len(held), max(map(len, held), default=1)), dtype=np.int64)
@@ -174,10 +172,12 @@ def kept_of(configs: tuple[StageConfig, ...]) -> Candidates:
     return Candidates.of(configs)
 
 
-def layout_of(sc: StageConfig) -> StageConfig:
-    """``sc`` with what a running stage retunes in place at its neutral values (``transition.RETUNED``)."""
-    from .transition import RETUNED
+RETUNED = {"micro_batch_size": None, "micro_batch_tokens": None, "recompute": "none"}
+"""Stage-config fields a running stage changes in place (their neutral values)."""
 
+
+def layout_of(sc: StageConfig) -> StageConfig:
+    """``sc`` with what a running stage retunes in place at its neutral values (``RETUNED``)."""
     return dataclasses.replace(sc, **RETUNED)
 
 
@@ -293,3 +293,30 @@ def stage_layers(layers: int, pp: int, stage: int, recompute: str) -> tuple[int,
     r = plan_layer_ranges(layers, pp)[stage]
     ck = len(r) if recompute == "full" else sum(1 for i in r if i % 2 == 0) if recompute == "selective" else 0
     return len(r), ck
+
+
+@functools.lru_cache(maxsize=8192)
+def local_elements(spec, tp: int, pp: int, dp: int = 1, dp_shard: bool = False) -> tuple[int, ...]:
+    """Elements of weights one rank holds, per pipeline stage (every TP rank holds as many;
+    with ``dp_shard`` the largest FSDP2 chunk). See ``memory.py``'s module docstring."""
+    ranges = plan_layer_ranges(spec.num_layers, pp)
+    stage_of = {layer: p for p, r in enumerate(ranges) for layer in r}
+    out = [0] * pp
+    kv_rows = spec.dim_head if tp > spec.num_kv_heads else spec.num_kv_heads * spec.dim_head // tp
+    for _name, shape, kind, layer in plan_parameters(spec):
+        if kind in ("col", "vocab") or (kind == "kv" and tp <= spec.num_kv_heads):
+            local = (shape[0] // tp, *shape[1:])
+        elif kind == "kv":
+            local = (kv_rows, *shape[1:])
+        elif kind == "row":
+            local = (shape[0], shape[1] // tp)
+        else:
+            local = tuple(shape)
+        n = math.prod(local[1:])
+        rows = -(-local[0] // dp) if dp_shard and dp > 1 else local[0]
+        stages = [stage_of[layer]] if layer >= 0 else [0] if layer == -1 else [pp - 1]
+        if layer == -1 and spec.tie_embeddings and spec.head == "lm" and pp > 1:
+            stages.append(pp - 1)  # the last stage's copy of the tied embedding
+        for p in stages:
+            out[p] += rows * n
+    return tuple(out)

@@ -3,7 +3,7 @@
 A rank's class (``rank_class``) is the kinds of the training layouts it holds
 (``layout_kind``: what a layout adds that the memory model may miss — FSDP2's, TP's and PP's
 buffers, recompute's and packing's temporaries); ``MemoryFit`` corrects each class apart.
-The search names the classes of its partial plans by ids (``_Classes``) from one registry
+The search names the classes of its partial plans by ids (``ClassRegistry``) from one registry
 shared by every search of the process (``_Registry``): what a class holds does not depend on
 the fit, only its correction does.
 """
@@ -59,7 +59,7 @@ class _Registry:
     no training layout, ``grow`` adds a training stage's layout kind to a class. What a class
     holds and what it grows into do not depend on the memory fit, so a search looks its
     classes up (a [class, layout kind] table per training stage and its kinds) instead of
-    naming them again; only the fit's corrections are its own (``_Classes``)."""
+    naming them again; only the fit's corrections are its own (``ClassRegistry``)."""
 
     LIMIT = 1 << 14  # classes kept before a new search starts a fresh registry (its tables: classes × kinds)
 
@@ -105,7 +105,7 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
-class _Classes:
+class ClassRegistry:
     """The rank classes of one search's partial plans (``_Registry``'s ids) and each one's
     correction (offset, margin) under its fit (``MemoryFit.terms``), computed once when
     needed. ``kinds[id]``: what class ``id`` holds; ``terms[id]``: its correction."""
@@ -131,9 +131,9 @@ class _Classes:
 
 
 class _Terms:
-    """``_Classes.terms``: class id -> (offset, margin), each computed once."""
+    """``ClassRegistry.terms``: class id -> (offset, margin), each computed once."""
 
-    def __init__(self, classes: _Classes) -> None:
+    def __init__(self, classes: ClassRegistry) -> None:
         self.classes, self.known = classes, {}
 
     def __getitem__(self, i: int) -> tuple[float, float]:

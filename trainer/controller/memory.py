@@ -68,16 +68,16 @@ Shortcuts: no allocator fragmentation model, no communication buffers, no CUDA c
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from nereus.reshard.derive import plan_layer_ranges, plan_parameters
 from nereus.reshard.layout import itemsize
 
 from ..config import ConfigError, JobConfig, StageConfig
-from .candidates import RECOMPUTE, Candidates, FixedBatching, read_only, kept_of, micro_batching, per_unique, stage_layers
+from .candidates import (
+    RECOMPUTE, Candidates, FixedBatching, kept_of, micro_batching, per_unique, read_only, stage_layers,
+)
 
 HEADROOM = 1.10
 GIB = 1 << 30
@@ -88,33 +88,6 @@ class StageMemory:
     stage: str
     resident: int
     transient: int
-
-
-@functools.lru_cache(maxsize=8192)
-def local_elements(spec, tp: int, pp: int, dp: int = 1, dp_shard: bool = False) -> tuple[int, ...]:
-    """Elements of weights one rank holds, per pipeline stage (every TP rank holds as many;
-    with ``dp_shard`` the largest FSDP2 chunk). See the module docstring."""
-    ranges = plan_layer_ranges(spec.num_layers, pp)
-    stage_of = {layer: p for p, r in enumerate(ranges) for layer in r}
-    out = [0] * pp
-    kv_rows = spec.dim_head if tp > spec.num_kv_heads else spec.num_kv_heads * spec.dim_head // tp
-    for _name, shape, kind, layer in plan_parameters(spec):
-        if kind in ("col", "vocab") or (kind == "kv" and tp <= spec.num_kv_heads):
-            local = (shape[0] // tp, *shape[1:])
-        elif kind == "kv":
-            local = (kv_rows, *shape[1:])
-        elif kind == "row":
-            local = (shape[0], shape[1] // tp)
-        else:
-            local = tuple(shape)
-        n = math.prod(local[1:])
-        rows = -(-local[0] // dp) if dp_shard and dp > 1 else local[0]
-        stages = [stage_of[layer]] if layer >= 0 else [0] if layer == -1 else [pp - 1]
-        if layer == -1 and spec.tie_embeddings and spec.head == "lm" and pp > 1:
-            stages.append(pp - 1)  # the last stage's copy of the tied embedding
-        for p in stages:
-            out[p] += rows * n
-    return tuple(out)
 
 
 def stage_memory(cfg: JobConfig, key: str, sc: StageConfig, *, seq: int | None = None) -> dict[int, StageMemory]:

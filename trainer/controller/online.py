@@ -40,7 +40,8 @@ from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
 from .admission import Decision, DriftWatch, admit, difference_spread
 from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
-from .search import MemoryFit, PlanChoice, device_budget, plan_seconds, rank_class, search
+from .classes import MemoryFit, rank_class
+from .search import PlanChoice, device_budget, plan_seconds, search
 from .steptime import OP_CLASSES, Placement, StepTimeModel, stage_features, sync_features
 from .transition import TransitionModel, profile_links, transition_peak
 from .workload import Workload

@@ -29,6 +29,10 @@ from ..config import YamlLoader as YAML12Loader
 
 LINK_CLASSES = ("local", "intra", "inter")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+OP_CLASSES = (  # the step-time model's operation classes (steptime.py), each with its θ
+    "gemm", "memory", "ops", "ops_dtensor", "comm_latency", "comm_tp", "comm_pp", "comm_dp", "optimizer", "decode", "sync",
+    "collective", "call",
+)
 
 
 class ProfileError(ValueError):
@@ -56,7 +60,7 @@ class DeviceProfile:
     links: Mapping[str, Link]
     cores: int | None = None
     efficiency: Mapping[str, float] = field(default_factory=dict)
-    """Priors of the step-time model's θ per operation class (``steptime.OP_CLASSES``; 1
+    """Priors of the step-time model's θ per operation class (``OP_CLASSES``; 1
     where absent): how much slower than its peak-rate prior a class runs on this kind."""
     source: str = field(default="", compare=False)
 
@@ -153,8 +157,6 @@ def parse_profile(data: object, where: str = "device profile") -> DeviceProfile:
     cores = data.get("cores")
     if data["kind"] == "cpu" and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise ProfileError(f"{where}: a cpu profile needs cores (an integer >= 1), got {cores!r}")
-    from .steptime import OP_CLASSES
-
     efficiency = data.get("efficiency") or {}
     if not isinstance(efficiency, dict):
         raise ProfileError(f"{where}: efficiency must map operation classes ({', '.join(OP_CLASSES)}) to factors")

@@ -49,7 +49,7 @@ from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
 from ..data.tasks import longest_row
 from ..models.args import model_args
 from .candidates import RECOMPUTE, Candidates, kept_of
-from .classes import MemoryFit, _Classes, layout_kind, rank_class  # noqa: F401 - re-exported (online, simulate, tests)
+from .classes import ClassRegistry, MemoryFit, layout_kind, rank_class
 from .memory import GIB, HEADROOM, candidate_memory, forward_too, gib
 from .profiles import DeviceProfile
 from .steptime import Placement, StepTimeModel, candidate_features, candidate_sync_features
@@ -348,7 +348,7 @@ class _Partial:
         return _Partial(seconds=self.seconds[idx], resident=self.resident[idx], transient=self.transient[idx],
                         classes=self.classes[idx], picks=self.picks[idx])
 
-    def grow(self, p: Priced, front: np.ndarray, classes: _Classes, rows: np.ndarray | None = None) -> _Partial:
+    def grow(self, p: Priced, front: np.ndarray, classes: ClassRegistry, rows: np.ndarray | None = None) -> _Partial:
         """Every partial plan followed by every candidate of ``front`` (partial-major), or only
         the rows ``rows`` (ascending) of that product."""
         n, m, g = len(self.seconds), len(front), p.group
@@ -367,7 +367,7 @@ SUBSET = 2048
 """Rows of a stage's growth ``_extend`` prunes first: the fastest (and their ties)."""
 
 
-def _extend(partial: _Partial, p: Priced, front: np.ndarray, classes: _Classes, budget: float | None, beam: int,
+def _extend(partial: _Partial, p: Priced, front: np.ndarray, classes: ClassRegistry, budget: float | None, beam: int,
             *, final: bool) -> tuple[_Partial, float | None]:
     """``partial`` grown by ``p``'s ``front`` and pruned (``_prune``), and the smallest peak
     of the growth (None when not computed: not ``final`` and some rows kept).
@@ -437,7 +437,7 @@ def search(
             priced = price(cfg, key, cands, work, where, model, group)
             stages.append((priced, frontier(priced)))
         else:
-            classes = _Classes(fit)
+            classes = ClassRegistry(fit)
             partial = _Partial(seconds=np.zeros(1), resident=np.zeros((1, 2), dtype=np.int64), transient=np.zeros((1, 2), dtype=np.int64),
                                classes=np.zeros((1, 2), dtype=np.int64), picks=np.zeros((1, 0), dtype=np.int64))
             for depth, (priced, front) in enumerate(stages, 1):
@@ -476,7 +476,7 @@ def _choice(cfg: JobConfig, fit: MemoryFit, seconds: float, placement: str, stag
                       stage_seconds={p.key: float(p.seconds[partial.picks[row, d]]) for d, (p, _) in enumerate(stages)})
 
 
-def _prune(grown: _Partial, classes: _Classes, budget: float | None, beam: int, *, final: bool) -> tuple[np.ndarray, float]:
+def _prune(grown: _Partial, classes: ClassRegistry, budget: float | None, beam: int, *, final: bool) -> tuple[np.ndarray, float]:
     """Rows of ``grown`` to keep: drop plans over the budget, then dominated ones; keep the
     ``beam`` fastest of the rest. Also the smallest peak (with headroom) among ``grown``.
 

@@ -69,13 +69,11 @@ import numpy as np
 from nereus.reshard.layout import itemsize
 
 from ..config import JobConfig, StageConfig
-from .candidates import RECOMPUTE, Candidates, FixedBatching, kept_of, micro_batching, per_unique, stage_layers
-from .memory import activation_bytes, local_elements, logits_bytes
-from .profiles import DeviceProfile
+from .candidates import RECOMPUTE, Candidates, FixedBatching, kept_of, local_elements, micro_batching, per_unique, stage_layers
+from .memory import activation_bytes, logits_bytes
+from .profiles import OP_CLASSES, DeviceProfile
 from .workload import Workload
 
-OP_CLASSES = ("gemm", "memory", "ops", "ops_dtensor", "comm_latency", "comm_tp", "comm_pp", "comm_dp", "optimizer", "decode", "sync",
-              "collective", "call")
 OPS_PER_LAYER = 32  # aten ops of one decoder layer's forward (norms, projections, RoPE, attention, SwiGLU, residuals)
 OPS_HEAD = 24  # embedding, final norm, head, log-probs or values of one micro-batch
 OPS_SAMPLE = 20  # the generator's sampling and bookkeeping per decode step

@@ -6,7 +6,7 @@ training stage) moves from the old EMUs to the new ones: ``reshard.estimate`` gi
 exact transfers as arrays, ``reshard.graph.plan_graph`` schedules them in rounds within the
 memory budget and prices them with its alpha-beta ``LinkCost``: the device profile's links
 (``profile_links``), refitted per link class from the messages the job's weight syncs and
-transitions measure (``with_links``: ``graph.calibrate``). Building the new stages (modules on meta, parallelize,
+transitions measure (``with_links``: ``links.calibrate``). Building the new stages (modules on meta, parallelize,
 process groups) costs a fixed ``rebuild`` per changed stage, calibrated from measured
 transitions. The weight syncs of the new plan are priced by the step-time model, not here.
 
@@ -31,9 +31,11 @@ from dataclasses import dataclass
 
 from nereus.reshard.derive import derive_emus
 from nereus.reshard.estimate import estimate_transfers
-from nereus.reshard.graph import LINK_CLASSES, LinkCost, calibrate, plan_graph
+from nereus.reshard.graph import plan_graph
+from nereus.reshard.links import LINK_CLASSES, LinkCost, calibrate
 
 from ..config import JobConfig, PlanConfig, StageConfig
+from .candidates import layout_of
 
 REBUILD_SECONDS = 0.3  # prior per rebuilt model-stage (this CPU: module build, groups, optimizer)
 EXACT_RANKS = 16  # above: the closed-form price (module docstring)
@@ -72,15 +74,7 @@ def rebuilt_stages(old: PlanConfig, new: PlanConfig) -> list[str]:
     size or token budget, activation recompute): they are built anew and their state moves;
     the others only retune the running stage."""
     a, b = old.stages(), new.stages()
-    return [k for k in changed_stages(old, new) if not (a.get(k) is not None and _layout(a[k]) == _layout(b[k]))]
-
-
-RETUNED = {"micro_batch_size": None, "micro_batch_tokens": None, "recompute": "none"}
-"""Stage-config fields a running stage changes in place (their neutral values)."""
-
-
-def _layout(sc: StageConfig) -> StageConfig:
-    return dataclasses.replace(sc, **RETUNED)
+    return [k for k in changed_stages(old, new) if not (a.get(k) is not None and layout_of(a[k]) == layout_of(b[k]))]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,8 +108,10 @@ class TransitionModel:
 
     def _bound(self, cfg: JobConfig, key: str, sc: StageConfig) -> tuple[float, int]:
         """(seconds, bytes) of the closed-form price of moving ``key`` into ``sc``."""
+        from nereus.reshard.derive import plan_parameters
+
         from ..models.args import model_args
-        from .memory import pipeline_memory, plan_parameters
+        from .memory import pipeline_memory
 
         busiest = max(m.resident for m in pipeline_memory(cfg, key, sc, ends=True))
         per_stage = -(-len(plan_parameters(model_args(cfg, key).spec)) // sc.pp)
@@ -124,7 +120,7 @@ class TransitionModel:
         return tensors * self.link.alpha[i] + busiest / self.link.beta[i], busiest * cfg.nproc
 
     def with_links(self, samples, prior: LinkCost) -> TransitionModel:
-        """``link`` refitted (``reshard.graph.calibrate``, per link class) from measured
+        """``link`` refitted (``reshard.links.calibrate``, per link class) from measured
         messages ``(link class, bytes, seconds)`` — the weight syncs' and the transitions'
         own — over ``prior``."""
         return dataclasses.replace(self, link=calibrate(samples, prior))

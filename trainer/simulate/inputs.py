@@ -173,7 +173,7 @@ def write_profile(profile, path: str) -> str:
     return path
 
 
-def _read(path: str | os.PathLike, what: str) -> dict:
+def read_yaml(path: str | os.PathLike, what: str) -> dict:
     if not os.path.isfile(path):
         raise SimulateError(f"{what} file {os.fspath(path)!r} does not exist")
     try:
@@ -204,7 +204,7 @@ def build(cls: type, data: dict, prefix: str = "") -> Any:
         free["truth"] = build(TruthInput, truth, "truth.")
         eff = free["truth"].efficiency
         if eff is not None:
-            from ..controller.steptime import OP_CLASSES
+            from ..controller.profiles import OP_CLASSES
 
             if not isinstance(eff, dict):
                 raise SimulateError("job key 'truth.efficiency' must map operation classes to factors")
@@ -219,7 +219,7 @@ def build(cls: type, data: dict, prefix: str = "") -> Any:
 def load_cluster(source: str | os.PathLike | dict) -> Cluster:
     where = "" if isinstance(source, dict) else f"{os.fspath(source)}: "
     try:
-        cluster = build(Cluster, source if isinstance(source, dict) else _read(source, "cluster"))
+        cluster = build(Cluster, source if isinstance(source, dict) else read_yaml(source, "cluster"))
         if cluster.nodes < 1 or (cluster.devices_per_node is not None and cluster.devices_per_node < 1):
             raise SimulateError(f"cluster key '{'nodes' if cluster.nodes < 1 else 'devices_per_node'}' must be >= 1")
         if cluster.memory_gib is not None and cluster.memory_gib <= 0:
@@ -233,7 +233,7 @@ def load_cluster(source: str | os.PathLike | dict) -> Cluster:
 def load_job(source: str | os.PathLike | dict) -> JobInput:
     where = "" if isinstance(source, dict) else f"{os.fspath(source)}: "
     try:
-        job = build(JobInput, source if isinstance(source, dict) else _read(source, "job"))
+        job = build(JobInput, source if isinstance(source, dict) else read_yaml(source, "job"))
         checks = [("prompts_per_step", job.prompts_per_step >= 1), ("samples_per_prompt", job.samples_per_prompt >= 1),
                   ("minibatch_size", 1 <= job.minibatch_size), ("epochs", job.epochs >= 1), ("prompt.max", job.prompt.max >= 1),
                   ("prompt.mean", 0 < job.prompt.mean <= job.prompt.max), ("response.max", job.response.max >= 1),

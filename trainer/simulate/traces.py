@@ -41,7 +41,7 @@ from typing import Literal
 import numpy as np
 
 from ..config import ConfigError
-from .inputs import SimulateError, _read, build
+from .inputs import SimulateError, build, read_yaml
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,7 +90,7 @@ class TraceSpec:
 def load_trace_spec(source) -> TraceSpec:
     where = "" if isinstance(source, dict) else f"{os.fspath(source)}: "
     try:
-        spec = build(TraceSpec, source if isinstance(source, dict) else _read(source, "trace"))
+        spec = build(TraceSpec, source if isinstance(source, dict) else read_yaml(source, "trace"))
         ls, ds = spec.lengths, spec.devices
         checks = [("steps", spec.steps >= 1), ("lengths.start", ls.start > 0), ("lengths.end", ls.end > 0), ("lengths.low", ls.low > 0),
                   ("lengths.spread", ls.spread >= 0), ("lengths.tail_weight", 0 <= ls.tail_weight < 1),

@@ -29,12 +29,13 @@ import zlib
 
 import numpy as np
 
-from nereus.reshard.graph import LinkCost
+from nereus.reshard.links import LinkCost
 
 from ..config import JobConfig, PlanConfig, StageConfig, config_to_dict
 from ..controller.candidates import kept_of
 from ..controller.memory import GIB, distinct_ranks, rank_peak
-from ..controller.search import SYNCED, MemoryFit
+from ..controller.classes import MemoryFit
+from ..controller.search import SYNCED
 from ..controller.online import piece_stage
 from ..controller.steptime import OP_CLASSES, Placement, StepTimeModel, candidate_features, candidate_sync_features
 from ..controller.transition import profile_links

@@ -10,7 +10,7 @@ import pytest
 
 from nereus.reshard.derive import DecoderSpec, derive_emus
 from nereus.reshard.layout import ParallelConfig, local_buffers
-from nereus.trainer.controller.memory import local_elements
+from nereus.trainer.controller.candidates import local_elements
 from nereus.trainer.controller.profiles import ProfileError, load_profile, parse_profile, shipped_profiles
 
 SPECS = {

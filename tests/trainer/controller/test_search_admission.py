@@ -218,7 +218,7 @@ def test_a_training_stage_is_charged_its_own_forward_when_the_step_runs_one(over
 def test_the_search_matches_brute_force_under_a_calibrated_memory_fit(slack):
     """Corrections per class of layouts: a partial plan is not charged a class it has not
     completed (the running class fitted at 0, any other priced unseen), and the budget binds."""
-    from nereus.trainer.controller.search import MemoryFit, rank_class
+    from nereus.trainer.controller.classes import MemoryFit, rank_class
 
     cfg = load_config("configs/tiny_ppo.yaml", ["controller.stages=[actor.train,critic.train]"])
     work, where, model = Workload.from_config(cfg), Placement(nproc=cfg.nproc, profile=CPU), StepTimeModel.for_profile(CPU)
@@ -278,7 +278,7 @@ def test_measured_messages_refit_the_transitions_link_costs_over_the_profiles():
     """Weight syncs' messages between two ranks of one node (the "node" class) at 2 µs + 1 byte
     per ns: the transitions' link costs become those, the other classes keep the profile's
     links, and a transition's predicted seconds move with them."""
-    from nereus.reshard.graph import LINK_CLASSES
+    from nereus.reshard.links import LINK_CLASSES
 
     cfg = tiny()
     controller = Controller(cfg, CPU)

@@ -19,7 +19,8 @@ from nereus.trainer.controller.candidates import Candidates, kept_of
 from nereus.trainer.controller.memory import candidate_memory, distinct_ranks, pipeline_memory
 from nereus.trainer.controller.online import SampleRows
 from nereus.trainer.controller.profiles import load_profile
-from nereus.trainer.controller.search import MemoryFit, _Classes, _extend, _Partial, _prune, search, stage_candidates
+from nereus.trainer.controller.classes import ClassRegistry, MemoryFit
+from nereus.trainer.controller.search import _extend, _Partial, _prune, search, stage_candidates
 from nereus.trainer.controller.steptime import OP_CLASSES, Placement, StepTimeModel, candidate_features
 from nereus.trainer.controller.workload import Workload
 
@@ -198,7 +199,7 @@ def test_extend_pruning_the_fastest_first_keeps_what_pruning_everything_keeps(se
 
     monkeypatch.setattr(searching, "_prune", prune)
     for budget in (None, 14.0, 9.0):
-        classes = _Classes(MemoryFit(offsets={"a": 1.0}, unseen=0.5))
+        classes = ClassRegistry(MemoryFit(offsets={"a": 1.0}, unseen=0.5))
         ids = np.stack([classes.grow(np.zeros(n, np.int64), "critic.train", rng.integers(0, 3, n), ("x", "y", "z")),
                         np.zeros(n, np.int64)], axis=1)
         partial = _Partial(seconds=rng.integers(0, 20, n).astype(np.float64), resident=rng.integers(0, 6, (n, 2)),
