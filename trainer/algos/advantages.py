@@ -44,10 +44,6 @@ def zero_pad(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
-    return zero_pad(x, mask).sum()
-
-
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Token-mean of ``x`` over ``mask``; 0 when the mask is empty."""
     return zero_pad(x, mask).sum() / mask.sum().clamp(min=1)

@@ -8,8 +8,10 @@
 - ``transition`` the cost of moving state between two plans (reshard's estimator and graph)
 - ``search``     the best plans under the memory budget: frontier per model-stage, combined
 - ``admission``  when to replan and whether a better plan pays for its transition
+- ``classes``    the memory classes of ranks, and the offset fitted per class
 - ``online``     the live controller: observe → decide, with its logs
+- ``report``     what ``nereus plan`` prints: the search's plans as a table or JSON
 
-The step loop (``trainer/runtime/worker.py``) calls it through one seam: ``observe`` after a step,
+The step loop (``trainer/runtime/control.py``'s ``JobControl``) calls it through one seam: ``observe`` after a step,
 ``decide`` before the next; ``nereus plan`` and the simulator call the same functions.
 """

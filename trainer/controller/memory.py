@@ -90,14 +90,6 @@ class StageMemory:
     transient: int
 
 
-def stage_memory(cfg: JobConfig, key: str, sc: StageConfig, *, seq: int | None = None) -> dict[int, StageMemory]:
-    """Every rank's memory of model-stage ``key`` under ``sc`` (bytes, before headroom), at
-    sequence length ``seq`` (default the model's ``max_seq_len``)."""
-    config = sc.parallel_config(cfg.nproc)
-    per_stage = pipeline_memory(cfg, key, sc, seq=seq)
-    return {rank: per_stage[(i // config.tp) % config.pp] for i, rank in enumerate(config.ranks)}
-
-
 def pipeline_memory(
     cfg: JobConfig, key: str, sc: StageConfig, *, seq: int | None = None, ends: bool = False, args=None
 ) -> list[StageMemory]:

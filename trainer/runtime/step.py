@@ -45,8 +45,9 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from ..algos import grpo, ppo
+from ..algos import ppo
 from ..algos.advantages import kl_k1, masked_mean, minibatch_indices
+from ..algos.registry import Trained, algorithm
 from ..config import JobConfig
 from ..data.prompts import Prompts, make_source
 from ..metrics.log import peak_memory
@@ -67,6 +68,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, device: torch.device | str | None = None) -> None:
         baseline = rss_bytes()  # before any model exists: what a CPU stage's peak is measured above
         self.cfg, self.rank = cfg, dist.get_rank()
+        self.algo = algorithm(cfg)  # its advantages and losses (trainer/algos/registry.py)
         self.device = worker_device(cfg) if device is None else torch.device(device)
         self.source = make_source(cfg)  # the toy task or the prompt dataset, and its reward
         self.stages = build_stages(cfg, self.rank, self.device)
@@ -95,7 +97,7 @@ class Trainer:
 
     def lr(self, key: str) -> float:
         """The configured (peak) learning rate of a training model-stage."""
-        hp = self.cfg.ppo if self.cfg.algorithm == "ppo" else self.cfg.grpo
+        hp = getattr(self.cfg, self.algo.name)
         return self.cfg.ppo.critic_lr if key == "critic.train" else hp.lr
 
     def attach_schedule(self, key: str, stage: ModelStage) -> None:
@@ -170,7 +172,7 @@ class Trainer:
         if "ref.infer" in self.stages:
             with meter("ref.infer"):
                 batch["ref_logprobs"] = infer(self.stages["ref.infer"], batch, "logprobs", temp)
-        if cfg.algorithm == "ppo":
+        if self.algo.critic:
             values = self.stages.get("critic.infer", self.stages["critic.train"])
             with meter("critic.infer" if values.key == "critic.infer" else "critic.train.infer"):
                 batch["old_values"] = infer(values, batch, "values")
@@ -215,7 +217,7 @@ class Trainer:
         ``trainer/runtime/worker.py``'s ``gather_rank_figures``)."""
         rows, width = batch["input_ids"].shape
         real = int(batch["attention_mask"].sum())
-        hp = self.cfg.ppo if self.cfg.algorithm == "ppo" else self.cfg.grpo
+        hp = getattr(self.cfg, self.algo.name)
         out = {}
         for name, s in seconds.items():
             k = hp.epochs if name in ("actor.train", "critic.train") else 1
@@ -243,7 +245,7 @@ class Trainer:
             if gen.engine is not None:
                 out = gen.engine.generate(ids[lo:hi], seed=seed, first_row=lo, **sampling)
             else:
-                draws = torch.rand(len(ids), prompts.max_new_tokens, generator=torch.Generator().manualmix(seed))
+                draws = torch.rand(len(ids), prompts.max_new_tokens, generator=torch.Generator().manual_seed(seed))
                 with torch.no_grad():
                     out = generate(gen.part.module, ids[lo:hi], uniforms=draws[lo:hi], **sampling)
             # replicas stack: the same prompt width (the longest prompt of the whole batch) and response width
@@ -310,49 +312,18 @@ class Trainer:
         return out
 
     def _advantages(self, batch: dict, scores: torch.Tensor) -> dict[str, float]:
-        cfg, mask = self.cfg, batch["response_mask"]
-        if cfg.algorithm == "ppo":
-            hp = cfg.ppo
-            adv, returns, metrics = ppo.compute_advantages(
-                scores, batch["old_values"], mask, old_logprobs=batch.get("old_logprobs"),
-                ref_logprobs=batch.get("ref_logprobs"), kl_coef=hp.kl_coef, kl_in_reward=hp.kl_in_reward,
-                gamma=hp.gamma, lam=hp.lam, whiten=hp.whiten,
-            )
-            batch["advantages"], batch["returns"] = adv, returns
-            return metrics
-        hp = cfg.grpo
-        adv, metrics = grpo.group_advantages(scores, cfg.rollout.samples_per_prompt, scale_by_std=hp.scale_by_std, eps=hp.eps)
-        batch["advantages"] = adv[:, None].expand_as(mask).contiguous()
-        return metrics
+        """The algorithm's advantages (and returns) into ``batch``; their metrics."""
+        return self.algo.advantages(self.cfg, batch, scores)
 
     def _train(self, batch: dict) -> dict[str, float]:
         """PPO epochs over mini-batches: per mini-batch every model's forward and backward
         (its loss normalised by the global mini-batch, ``ppo.loss_weights``), one check that
         everything is finite on every rank, then the optimizer steps."""
         cfg = self.cfg
-        hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+        hp = getattr(cfg, self.algo.name)
         temp = cfg.rollout.temperature
-        g = torch.Generator().manualmix(mix(cfg.seed, self.step, 99))
-        actor_kl = hp.kl_coef if (cfg.algorithm == "grpo" or not cfg.ppo.kl_in_reward) else 0.0
-        actor = self.stages["actor.train"]
-
-        def actor_loss(logits, mb):
-            logprobs, entropy = response_logprobs(logits, mb, temp, actor.part.vocab, entropy=bool(hp.entropy_coef))
-            old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()  # on-policy: see step 3
-            return ppo.policy_loss(
-                logprobs, old, mb["advantages"], mb["response_mask"], clip=hp.clip, weights=mb["loss_weights"],
-                ref_logprobs=mb.get("ref_logprobs"), kl_coef=actor_kl, entropy=entropy, entropy_coef=hp.entropy_coef,
-            )
-
-        def critic_loss(values, mb):
-            return ppo.value_loss(
-                response_values(values, mb), mb["old_values"], mb["returns"], mb["response_mask"],
-                clip=cfg.ppo.value_clip, weights=mb["loss_weights"],
-            )
-
-        models = [("actor", actor, actor_loss, hp.max_grad_norm)]
-        if cfg.algorithm == "ppo":
-            models.append(("critic", self.stages["critic.train"], critic_loss, cfg.ppo.max_grad_norm))
+        g = torch.Generator().manual_seed(mix(cfg.seed, self.step, 99))
+        models = [(m.name, self.stages[m.stage], self._loss_fn(m, temp), m.max_grad_norm) for m in self.algo.models(cfg)]
         sums: dict[str, ppo.LossSums] = {}
         norms: dict[str, list[float]] = {name: [] for name, *_ in models}
         lrs: dict[str, float] = {}
@@ -383,6 +354,19 @@ class Trainer:
                     for name, stage, *_ in models if name in lrs}
             metrics, self.extra_state["lr_schedule"] = _finish_metrics(sums, norms, len(minibatches), mine)
             return metrics
+
+    def _loss_fn(self, model: Trained, temperature: float):
+        """``model``'s loss of its stage's output (the logits or values of the mini-batch's rows):
+        the response tokens' log-probs and entropy, or values, computed from the stage's own
+        layout (vocabulary-parallel logits), then the algorithm's loss of them."""
+        stage = self.stages[model.stage]
+        if model.kind == "policy":
+            def policy(logits, mb):
+                logprobs, entropy = response_logprobs(logits, mb, temperature, stage.part.vocab, entropy=model.entropy)
+                return model.loss(logprobs, entropy, mb)
+
+            return policy
+        return lambda values, mb: model.loss(response_values(values, mb), mb)
 
     def _check_finite(self, done: dict, k: int, minibatches: int) -> None:
         """Raise FloatingPointError on every rank, before any optimizer of this mini-batch

@@ -1,0 +1,55 @@
+"""The rollout engine: what ``actor.gen`` samples with, and the plans each engine runs.
+
+Two engines implement ``RolloutEngine``: the built-in generator (``generator.py``: the
+Nereus decoder in ``actor.gen``'s own layout, any tp, pp=1) and vLLM (``vllm_engine.py``:
+vLLM's fused q/k/v and gate/up buffers are ``actor.gen``'s live parameters, over every rank
+of the world). ``check_rollout_plan`` holds the rules a plan must meet for its engine; the
+config check (``trainer/prepare.py``, before any worker starts), the stage builder
+(``trainer/runtime/stages.py``) and the search (which offers only plans these rules admit)
+ask it, and the vLLM-specific layout rules live beside vLLM's layout in
+``vllm_engine.check_vllm_plan`` / ``check_vllm_on_cpu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from nereus.reshard.derive import DecoderSpec
+from nereus.reshard.errors import LayoutError
+
+from ..config import StageConfig
+from .generator import Rollout
+
+ENGINES = ("builtin", "vllm")
+
+
+class RolloutEngine(Protocol):
+    """Samples responses for one replica's rows; called on every rank of the replica, with
+    the same prompts and seed (the draws are keyed by the row, never the rank)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, seed: int, first_row: int, max_new_tokens: int,
+                 temperature: float, top_p: float, stop_tokens: Sequence[int], pad_id: int) -> Rollout: ...
+
+
+def check_rollout_plan(sc: StageConfig, engine: str, *, spec: DecoderSpec | None = None, world: int | None = None) -> None:
+    """Raise LayoutError unless ``engine`` runs ``actor.gen`` under ``sc``: the built-in
+    generator runs unfused pp=1 plans; vLLM runs fused ones (its live parameters are the
+    fused buffers) over the whole world of ``world`` ranks (with ``spec``: its TP split of the
+    model too)."""
+    name = "plan 'actor.gen'"
+    if engine == "builtin":
+        if sc.fused:
+            raise LayoutError(f"{name}: fused (vLLM) buffers need rollout.engine: vllm, not the built-in generator")
+        if sc.pp > 1:
+            raise LayoutError(f"{name}: the built-in generator runs pp=1 only, got pp={sc.pp}")
+        return
+    if not sc.fused:
+        raise LayoutError(f"rollout.engine: vllm writes into vLLM's fused q/k/v and gate/up buffers: set {name} fused: true")
+    if spec is not None and world is not None:
+        from .vllm_engine import check_vllm_plan  # pure layout rules; vllm itself is imported by the engine
+
+        try:
+            check_vllm_plan(spec, sc.parallel_config(world), world)
+        except LayoutError as e:
+            raise LayoutError(f"{name} with rollout.engine: vllm: {e}") from None
