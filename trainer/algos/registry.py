@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import grpo, ppo
+from ..config.names import ACTOR_TRAIN, CRITIC_TRAIN
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,7 +68,7 @@ class PPO:
             return ppo.value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], clip=hp.value_clip,
                                   weights=mb["loss_weights"])
 
-        return [actor, Trained(name="critic", stage="critic.train", kind="value", loss=critic, max_grad_norm=hp.max_grad_norm)]
+        return [actor, Trained(name="critic", stage=CRITIC_TRAIN, kind="value", loss=critic, max_grad_norm=hp.max_grad_norm)]
 
 
 class GRPO:
@@ -97,7 +98,7 @@ def _policy(hp, *, kl_coef: float) -> Trained:
             ref_logprobs=mb.get("ref_logprobs"), kl_coef=kl_coef, entropy=entropy, entropy_coef=hp.entropy_coef,
         )
 
-    return Trained(name="actor", stage="actor.train", kind="policy", loss=loss, max_grad_norm=hp.max_grad_norm,
+    return Trained(name="actor", stage=ACTOR_TRAIN, kind="policy", loss=loss, max_grad_norm=hp.max_grad_norm,
                    entropy=bool(hp.entropy_coef))
 
 

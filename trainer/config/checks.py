@@ -24,6 +24,7 @@ from typing import Protocol
 from nereus.reshard.derive import check_tp, plan_layer_ranges
 from nereus.reshard.errors import LayoutError
 
+from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, MODEL_STAGES, REF_INFER, REWARD_INFER
 from .schema import MIN_COLLECTIVE_TIMEOUT_S, ConfigError, JobConfig, StageConfig, decoder_spec, lr_schedules, warmup_from_ratio
 
 
@@ -181,17 +182,17 @@ def _check_task(cfg: JobConfig, task: TaskShape) -> None:
 def _check_plan_stages(cfg: JobConfig) -> None:
     """Which model-stages the algorithm needs, and no others."""
     stages = cfg.plan.stages()
-    need = ["actor.train", "actor.gen"]
+    need = [ACTOR_TRAIN, ACTOR_GEN]
     if cfg.algorithm == "ppo":
-        need.append("critic.train")  # critic.infer is optional: without it the values come from critic.train
+        need.append(CRITIC_TRAIN)  # critic.infer is optional: without it the values come from critic.train
     elif any(s.startswith("critic.") for s in stages):
         raise ConfigError("plan 'critic' is set, but grpo has no critic")
     kl = cfg.ppo.kl_coef if cfg.algorithm == "ppo" else cfg.grpo.kl_coef
     if kl > 0:
-        need.append("ref.infer")
+        need.append(REF_INFER)
     if cfg.reward_model is not None:
-        need.append("reward.infer")
-    elif "reward.infer" in stages:
+        need.append(REWARD_INFER)
+    elif REWARD_INFER in stages:
         raise ConfigError("plan 'reward.infer' is set, but there is no reward_model (the task's rule reward runs anywhere)")
     for stage in need:
         if stage not in stages:
@@ -214,12 +215,12 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig, longest_row: int) 
         raise ConfigError(f"{name}: rank {bad[0]} is out of range for nproc={cfg.nproc} (ranks {ranks})")
     if len(set(ranks)) != len(ranks):
         raise ConfigError(f"{name}: ranks {ranks} repeat a rank")
-    if sc.fused and stage != "actor.gen":
+    if sc.fused and stage != ACTOR_GEN:
         raise ConfigError(f"{name}: fused buffers are a rollout layout, allowed on 'actor.gen' only")
     if sc.fused and sc.dp_shard:
         raise ConfigError(f"{name}: fused (rollout) buffers cannot also shard state over dp (dp_shard)")
     if sc.micro_batch_size is not None:
-        if stage == "actor.gen":
+        if stage == ACTOR_GEN:
             raise ConfigError(f"{name}: micro_batch_size applies to training and inference stages; the rollout runs its whole batch")
         if sc.micro_batch_size < 1:
             raise ConfigError(f"{name}: micro_batch_size={sc.micro_batch_size} must be >= 1")
@@ -240,7 +241,7 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig, longest_row: int) 
                 f"{name}: micro_batch_size={sc.micro_batch_size} does not divide the {rows / sc.dp:g} rows of a replica "
                 f"({what}={rows} over dp={sc.dp}); micro-batches must be equal"
             )
-    if stage == "actor.gen" and cfg.batch_size % sc.dp:
+    if stage == ACTOR_GEN and cfg.batch_size % sc.dp:
         raise ConfigError(f"{name}: dp={sc.dp} does not divide the rollout batch of {cfg.batch_size} responses")
 
 
@@ -253,7 +254,7 @@ def _check_recompute_and_tokens(cfg: JobConfig, name: str, stage: str, sc: Stage
         raise ConfigError(f"{name}: recompute={sc.recompute} applies to training stages only (no activations are kept here)")
     if sc.micro_batch_tokens is None:
         return
-    if stage == "actor.gen":
+    if stage == ACTOR_GEN:
         raise ConfigError(f"{name}: micro_batch_tokens applies to training and inference stages; the rollout runs its whole batch")
     if sc.micro_batch_size is not None:
         raise ConfigError(f"{name}: give micro_batch_size (rows) or micro_batch_tokens (packed tokens), not both")
@@ -271,7 +272,7 @@ def _check_controller(cfg: JobConfig) -> None:
                           ("controller.hysteresis", c.hysteresis >= 0, ">= 0"), ("controller.lookahead", c.lookahead >= 1, ">= 1")):
         if not ok:
             raise ConfigError(f"config key '{key}' must be {want}, got {_get(cfg, key)!r}")
-    known = {"actor.train", "actor.gen", "critic.train", "critic.infer", "ref.infer", "reward.infer"}
+    known = set(MODEL_STAGES)
     for stage in c.stages or ():
         if stage not in known:
             close = difflib.get_close_matches(stage, sorted(known), n=1)

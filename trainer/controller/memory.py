@@ -75,6 +75,7 @@ import numpy as np
 from nereus.reshard.layout import itemsize
 
 from ..config import ConfigError, JobConfig, StageConfig
+from ..config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN
 from .candidates import (
     RECOMPUTE, Candidates, FixedBatching, kept_of, micro_batching, per_unique, read_only, stage_layers,
 )
@@ -180,7 +181,7 @@ def memory_at(
 
     layout, tp, pp, dp = kept_with_c("layout", lambda: (c.layout[which], c.tp[which], c.pp[which], c.dp[which]))
     rows = -(-(cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo).minibatch_size // dp) if train else -(-cfg.batch_size // dp)
-    if key == "actor.gen" and cfg.rollout.engine == "vllm":
+    if key == ACTOR_GEN and cfg.rollout.engine == "vllm":
         share = int(cfg.rollout.gpu_memory_utilization * (cfg.device_memory_gib or 0) * GIB)
         return np.zeros(len(which), dtype=np.int64), np.full(len(which), share, dtype=np.int64)  # asleep outside generation
     layers, ck = kept_with_c("layers", lambda: per_unique(lambda pp, p, r: stage_layers(spec.num_layers, pp, p, RECOMPUTE[r]),
@@ -234,7 +235,7 @@ def memory_at(
 def forward_too(cfg: JobConfig, key: str) -> bool:
     """Whether training stage ``key`` also runs a forward over the step's batch: the actor's
     old log-probs off-policy, the critic's values without a ``critic.infer``."""
-    return (key == "actor.train" and not cfg.on_policy) or (key == "critic.train" and "critic.infer" not in cfg.plan.stages())
+    return (key == ACTOR_TRAIN and not cfg.on_policy) or (key == CRITIC_TRAIN and CRITIC_INFER not in cfg.plan.stages())
 
 
 def plan_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> dict[int, list[StageMemory]]:

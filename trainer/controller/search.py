@@ -46,6 +46,7 @@ from nereus.reshard.derive import check_tp
 from nereus.reshard.errors import LayoutError
 
 from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
+from ..config.names import SYNCED
 from ..data.tasks import longest_row
 from ..models.args import model_args
 from .candidates import RECOMPUTE, Candidates, kept_of
@@ -56,7 +57,6 @@ from .steptime import Placement, StepTimeModel, candidate_features, candidate_sy
 from .workload import Workload
 
 PLACEMENTS = ("colocated", "split")
-SYNCED = {"actor.gen": "actor.train", "critic.infer": "critic.train"}  # destination <- source of a weight sync
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from nereus.reshard.graph import plan_graph
 from nereus.reshard.links import LINK_CLASSES, LinkCost, calibrate
 
 from ..config import JobConfig, PlanConfig, StageConfig
+from ..config.names import ACTOR_GEN
 from .candidates import layout_of
 
 REBUILD_SECONDS = 0.3  # prior per rebuilt model-stage (this CPU: module build, groups, optimizer)
@@ -58,7 +59,7 @@ def stage_emus(cfg: JobConfig, key: str, sc: StageConfig, nproc: int):
     args = model_args(cfg, key)
     model, stage = key.split(".")
     config = sc.parallel_config(nproc)
-    if key == "actor.gen" and cfg.rollout.engine == "vllm":
+    if key == ACTOR_GEN and cfg.rollout.engine == "vllm":
         return vllm_emus(args.spec, config, model=model, stage=stage)
     return derive_emus(args.spec, config, model=model, stage=stage, optimizer=stage == "train", dp_shard=sc.dp_shard, fused=sc.fused)
 

@@ -38,6 +38,7 @@ from nereus.reshard.layout import EMU, ParallelConfig
 
 from ..config import JobConfig, StageConfig
 from ..algos.ppo import LossSums
+from ..config.names import ACTOR_GEN
 from ..models.args import model_args
 from ..models.decoder import ModelArgs, set_recompute
 from ..parallel.packing import Packing, balanced_order, pack_batch, pack_count
@@ -122,9 +123,9 @@ def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu", 
             continue
         args = model_args(cfg, key)
         config = sc.parallel_config(cfg.nproc)
-        if key == "actor.gen":  # the engine runs this plan (prepare.check_job checked it when loading)
+        if key == ACTOR_GEN:  # the engine runs this plan (prepare.check_job checked it when loading)
             check_rollout_plan(sc, cfg.rollout.engine, spec=args.spec, world=cfg.nproc)
-        if key == "actor.gen" and cfg.rollout.engine == "vllm":
+        if key == ACTOR_GEN and cfg.rollout.engine == "vllm":
             stages[key] = _vllm_stage(cfg, key, args, config, rank)
             continue
         groups = stage_groups(config, args.spec, rank)

@@ -49,6 +49,7 @@ from ..algos import ppo
 from ..algos.advantages import kl_k1, masked_mean, minibatch_indices
 from ..algos.registry import Trained, algorithm
 from ..config import JobConfig
+from ..config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, REF_INFER, REWARD_INFER
 from ..data.prompts import Prompts, make_source
 from ..metrics.log import peak_memory
 from ..metrics.meters import StageMeter, rss_bytes, trim_heap
@@ -98,7 +99,7 @@ class Trainer:
     def lr(self, key: str) -> float:
         """The configured (peak) learning rate of a training model-stage."""
         hp = getattr(self.cfg, self.algo.name)
-        return self.cfg.ppo.critic_lr if key == "critic.train" else hp.lr
+        return self.cfg.ppo.critic_lr if key == CRITIC_TRAIN else hp.lr
 
     def attach_schedule(self, key: str, stage: ModelStage) -> None:
         """The stage's LR schedule at its optimizer's own step count (``trainer/runtime/lr_schedule.py``):
@@ -156,25 +157,25 @@ class Trainer:
         seconds["sync"] = time.perf_counter() - start
 
         t = time.perf_counter()
-        with meter("actor.gen"):
+        with meter(ACTOR_GEN):
             batch, scores = self._rollout()
         seconds["generation"] = time.perf_counter() - t
 
         t = time.perf_counter()
         temp = cfg.rollout.temperature
-        reward_model, task_scores = "reward.infer" in self.stages, scores
+        reward_model, task_scores = REWARD_INFER in self.stages, scores
         if reward_model:
-            with meter("reward.infer"):
-                scores = infer(self.stages["reward.infer"], batch, "scores")
+            with meter(REWARD_INFER):
+                scores = infer(self.stages[REWARD_INFER], batch, "scores")
         if not self.on_policy:
             with meter("actor.train.infer"):  # the old log-probs, by the training layout
-                batch["old_logprobs"] = infer(self.stages["actor.train"], batch, "logprobs", temp)
-        if "ref.infer" in self.stages:
-            with meter("ref.infer"):
-                batch["ref_logprobs"] = infer(self.stages["ref.infer"], batch, "logprobs", temp)
+                batch["old_logprobs"] = infer(self.stages[ACTOR_TRAIN], batch, "logprobs", temp)
+        if REF_INFER in self.stages:
+            with meter(REF_INFER):
+                batch["ref_logprobs"] = infer(self.stages[REF_INFER], batch, "logprobs", temp)
         if self.algo.critic:
-            values = self.stages.get("critic.infer", self.stages["critic.train"])
-            with meter("critic.infer" if values.key == "critic.infer" else "critic.train.infer"):
+            values = self.stages.get(CRITIC_INFER, self.stages[CRITIC_TRAIN])
+            with meter(CRITIC_INFER if values.key == CRITIC_INFER else "critic.train.infer"):
                 batch["old_values"] = infer(values, batch, "values")
         with meter("advantages"):
             advantage_metrics = self._advantages(batch, scores)
@@ -220,7 +221,7 @@ class Trainer:
         hp = getattr(self.cfg, self.algo.name)
         out = {}
         for name, s in seconds.items():
-            k = hp.epochs if name in ("actor.train", "critic.train") else 1
+            k = hp.epochs if name in (ACTOR_TRAIN, CRITIC_TRAIN) else 1
             out[name] = {"seconds": s, "rows": rows * k, "tokens": rows * width * k, "real_tokens": real * k, "peak_bytes": peaks.get(name, 0)}
         return out
 
@@ -229,7 +230,7 @@ class Trainer:
         replicas on every rank, as wide as the longest prompt plus the longest response (the
         columns no response reached are padding for every row: dropping them changes no
         result, and time and memory follow the lengths)."""
-        cfg, gen, source = self.cfg, self.stages["actor.gen"], self.source
+        cfg, gen, source = self.cfg, self.stages[ACTOR_GEN], self.source
         b, local, width = len(prompts.ids), None, cfg.rollout.max_new_tokens
         ids = list(prompts.ids)
         if b < gen.config.dp:  # every replica generates something (a short validation chunk): the copies are dropped
@@ -287,7 +288,7 @@ class Trainer:
         if not chunks:
             return {}
         for sync in self.syncs:
-            if sync.dst.key == "actor.gen":
+            if sync.dst.key == ACTOR_GEN:
                 sync()
         v = self.cfg.validation
         scores, accuracy, lengths, sources, failed = [], [], [], [], 0.0

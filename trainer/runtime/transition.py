@@ -27,6 +27,7 @@ from nereus.reshard.graph import plan_graph
 from nereus.reshard.plan import plan_transfers
 from nereus.reshard.stream import StagingArena
 
+from ..config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN
 from ..metrics.meters import trim_heap
 from .stages import ModelStage, build_stages, make_optimizer
 
@@ -69,9 +70,9 @@ class WeightSync:
 def plan_syncs(stages: dict[str, ModelStage]) -> list[WeightSync]:
     """The step's weight syncs between ``stages``: actor.train → actor.gen, and critic.train →
     critic.infer when the plan has one."""
-    syncs = [WeightSync(src=stages["actor.train"], dst=stages["actor.gen"])]
-    if "critic.infer" in stages:
-        syncs.append(WeightSync(src=stages["critic.train"], dst=stages["critic.infer"]))
+    syncs = [WeightSync(src=stages[ACTOR_TRAIN], dst=stages[ACTOR_GEN])]
+    if CRITIC_INFER in stages:
+        syncs.append(WeightSync(src=stages[CRITIC_TRAIN], dst=stages[CRITIC_INFER]))
     return syncs
 
 

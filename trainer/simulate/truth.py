@@ -32,10 +32,10 @@ import numpy as np
 from nereus.reshard.links import LinkCost
 
 from ..config import JobConfig, PlanConfig, StageConfig, config_to_dict
+from ..config.names import ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, SYNCED
 from ..controller.candidates import kept_of
 from ..controller.memory import GIB, distinct_ranks, rank_peak
 from ..controller.classes import MemoryFit
-from ..controller.search import SYNCED
 from ..controller.online import piece_stage
 from ..controller.steptime import OP_CLASSES, Placement, StepTimeModel, candidate_features, candidate_sync_features
 from ..controller.transition import profile_links
@@ -53,7 +53,7 @@ def pieces(cfg: JobConfig) -> list[str]:
         if key in SYNCED:
             out.append(f"sync.{key}")
         out.append(key)
-        if (key == "actor.train" and not cfg.on_policy) or (key == "critic.train" and "critic.infer" not in stages):
+        if (key == ACTOR_TRAIN and not cfg.on_policy) or (key == CRITIC_TRAIN and CRITIC_INFER not in stages):
             out.append(f"{key}.infer")
     return out
 

@@ -228,10 +228,11 @@ def test_frontier_and_pruning_equal_the_quadratic_reference_with_ties(seed, bloc
                        group=0, kind=p.kinds[p.kind[i]]) for i in range(len(p.seconds))]
     assert frontier(p).tolist() == [c.config for c in reference_frontier(cands)]
 
-    from nereus.trainer.controller.search import _Classes, _Partial
+    from nereus.trainer.controller.classes import ClassRegistry
+    from nereus.trainer.controller.search import _Partial
 
     fit = MemoryFit(offsets={"a": 1.0, "b": 3.0}, unseen=0.5)
-    classes = _Classes(fit)
+    classes = ClassRegistry(fit)
     n = 3000
     for final, budget in ((False, None), (False, 20.0), (True, 25.0)):
         ids = np.stack([rng.integers(0, 1, n), rng.integers(0, 1, n)], axis=1)

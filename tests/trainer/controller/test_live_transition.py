@@ -40,6 +40,7 @@ def _new_plan(cfg):
 
 def _transition(rank: int, world: int, run_dir: str, fail_on: int | None) -> dict:
     import nereus.trainer.runtime.step as loop
+    import nereus.trainer.runtime.transition as transition
     from nereus.trainer.prepare import load_config
 
     cfg = load_config(TINY_PPO, [*SMALL, f"run_dir={run_dir}"])
@@ -49,18 +50,18 @@ def _transition(rank: int, world: int, run_dir: str, fail_on: int | None) -> dic
     old_plan = trainer.cfg.plan
     error = None
     if fail_on is not None and rank == fail_on:
-        real = loop.make_optimizer
+        real = transition.make_optimizer
 
         def broken(stage, lr):
             raise MemoryError("no room for the new AdamW state")
 
-        loop.make_optimizer = broken
+        transition.make_optimizer = broken
     try:
         done = trainer.apply_plan(_new_plan(cfg))
     except RuntimeError as e:
         error, done = str(e), None
     if fail_on is not None and rank == fail_on:
-        loop.make_optimizer = real
+        transition.make_optimizer = real
     after = _state(trainer, rank)
     metrics = trainer.run_step()  # the job goes on, in whichever plan it is in
     plan_kept, back = trainer.cfg.plan == old_plan, None
