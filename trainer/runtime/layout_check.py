@@ -11,7 +11,7 @@ largest relative difference, per tensor max|a − b| / max|b|, against the first
 per metric, ``metric_error``).
 
 DESIGN.md's principle 4 says the update is the same under every plan up to floating-point
-reduction order. tests/trainer/test_layout_invariance.py holds everything to 1e-10 in
+reduction order. tests/trainer/runtime/test_layout_invariance.py holds everything to 1e-10 in
 float64; in float32 it holds metrics to 1e-6 and AdamW's moments to 4e-6, and parameters
 only within the slope of Adam's update (lr·g/(|g| + ε) turns a 1e-6 gradient difference
 into up to 2·lr where |g| is near ε). tools/bench_train.py reports the float32 figures

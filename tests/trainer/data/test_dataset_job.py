@@ -23,7 +23,7 @@ from nereus.trainer.config import ConfigError
 from nereus.trainer.prepare import load_config
 from tests.distributed_harness import run_distributed
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY_TEXT = str(ROOT / "configs" / "tiny_text.yaml")
 REWARD = f"{ROOT / 'tools' / 'repeat_reward.py'}:compute_score"
 sys.path.insert(0, str(ROOT / "tools"))

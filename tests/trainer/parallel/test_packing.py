@@ -9,7 +9,7 @@ from nereus.trainer.models.decoder import recompute_layers, set_recompute
 from nereus.trainer.parallel.packing import balanced_order, pack_batch, pack_rows, row_spans
 from nereus.trainer.runtime.stages import response_logprobs, response_values, sequence_scores
 
-from .test_model import make_model
+from tests.trainer.models.test_model import make_model
 
 P, N = 5, 7  # prompt width, response columns
 

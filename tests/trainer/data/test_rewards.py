@@ -1,7 +1,7 @@
 """Rule rewards: the GSM8K and MATH rules, auto dispatch, verl's compute_score contract through the
 spawned worker pool (float, dict, exception, timeout, bad returns, a dying worker, order), load errors.
 
-The reward functions are real files under tests/trainer/reward_fns/. Two pools (on_error zero and
+The reward functions are real files under tests/trainer/data/reward_fns/. Two pools (on_error zero and
 raise) are shared by the contract tests, so the file spawns few processes; timeouts are 1 s.
 """
 

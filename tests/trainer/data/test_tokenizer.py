@@ -23,7 +23,7 @@ from nereus.trainer.runtime.checkpoint import check_forward_settings
 from nereus.trainer.models.decoder import ModelArgs, build_model
 from nereus.trainer.data.tokenizer import TokenizerError, load_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
 import make_dataset  # noqa: E402
 
 CHAT = [{"role": "user", "content": "572"}]

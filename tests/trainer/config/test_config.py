@@ -14,7 +14,7 @@ from nereus.reshard.derive import derive_emus
 from nereus.trainer.config import ConfigError, JobConfig, StageConfig, config_to_dict, decoder_spec
 from nereus.trainer.prepare import load_config, resolve_device
 
-CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = pathlib.Path(__file__).resolve().parents[3] / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 TINY = CONFIGS / "tiny_ppo.yaml"
 

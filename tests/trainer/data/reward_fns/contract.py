@@ -1,4 +1,4 @@
-"""Reward functions for tests/trainer/test_rewards.py, in verl's signature.
+"""Reward functions for tests/trainer/data/test_rewards.py, in verl's signature.
 
 ``compute_score`` behaves by data_source so that one worker pool serves every contract test:
 ``float`` (1.0 if the solution equals the ground truth), ``dict`` (a score plus extra keys),

@@ -20,7 +20,7 @@ from nereus.store.hf import HFCheckpoint
 
 from tests.store.models import bits, llama_config, write_hf_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
 ONE_PROCESS_PPO = [
     "nproc=1", "plan.actor.train.dp=1", "plan.actor.train.tp=1", "plan.actor.gen.dp=1", "plan.critic.train.dp=1",

@@ -32,7 +32,7 @@ import pytest
 from nereus.trainer.prepare import load_config
 from nereus.trainer.runtime.layout_check import compare, run_layouts, state_kind
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
 TINY_GRPO = os.path.join(ROOT, "configs", "tiny_grpo.yaml")
 

@@ -14,7 +14,7 @@ from nereus.trainer.config import ConfigError
 from nereus.trainer.prepare import load_config
 from nereus.trainer.runtime.lr_schedule import LRSchedule, attach, optimizer_step_count, plan_schedule
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
 TINY_GRPO = os.path.join(ROOT, "configs", "tiny_grpo.yaml")
 
@@ -209,7 +209,7 @@ def test_a_schedule_that_cannot_decay_or_a_floor_without_decay_is_refused():
     from nereus.trainer.runtime.lr_schedule import warmup_from_ratio
 
     assert warmup_from_ratio(0.29, 100) == 29
-    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny_grpo.yaml")
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "configs", "tiny_grpo.yaml")
     total = 40 * 4  # tiny_grpo: 40 steps × 2 epochs × 2 mini-batches
     with pytest.raises(ConfigError, match=r"leaves no update to decay over"):
         load_config(tiny, [f"grpo.lr_schedule.warmup_steps={total - 1}", "grpo.lr_schedule.decay=cosine"])

@@ -7,7 +7,7 @@ import torch
 
 from nereus.trainer.rollout.generator import Rollout, generate, generate_no_cache, left_pad, sample
 
-from .test_model import make_model
+from tests.trainer.models.test_model import make_model
 
 PROMPTS = [[5, 9, 3, 7, 1, 2, 11], [4, 4], [8, 1, 6, 2], [17]]
 PAD = 0

@@ -19,7 +19,7 @@ from nereus.trainer.prepare import load_config
 from nereus.trainer.metrics.log import MetricsLog, flatten
 from nereus.trainer.metrics.trackers import Console, console_line, missing_trackers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
 ALL = ("console", "tensorboard", "wandb", "mlflow")
 

@@ -16,7 +16,7 @@ from nereus.cli.app import app
 from nereus.store.checkpoint import CheckpointStore
 from nereus.trainer.prepare import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
 TINY_GRPO = os.path.join(ROOT, "configs", "tiny_grpo.yaml")
 
@@ -244,7 +244,7 @@ def _grpo_steps(rank, world_size, run_dir, overrides):
 def test_micro_batches_accumulate_the_same_update(tmp_path):
     """actor.train in 4-row micro-batches and ref.infer in 8-row ones give the whole batch's
     losses, KL, gradient norms and weights (each micro-batch's loss is normalised by the whole
-    mini-batch, ppo.py's aggregation; tests/trainer/test_layout_invariance.py checks unequal
+    mini-batch, ppo.py's aggregation; tests/trainer/runtime/test_layout_invariance.py checks unequal
     response lengths over every layout). Weights to 1e-4 only: AdamW turns float rounding in
     near-zero gradients into updates of up to lr · rounding / eps."""
     from tests.distributed_harness import run_distributed

@@ -46,8 +46,8 @@ from nereus.trainer.rollout.vllm_engine import (
 )
 from tests.distributed_harness import run_distributed
 
-from .test_config import CONFIGS, tiny
-from .test_model import make_model
+from tests.trainer.config.test_config import CONFIGS, tiny
+from tests.trainer.models.test_model import make_model
 
 TINY_VLLM = CONFIGS / "tiny_vllm.yaml"
 

@@ -12,7 +12,7 @@ from nereus.trainer.controller.memory import HEADROOM, logits_bytes
 from nereus.trainer.metrics.memtrace import tensor_peak
 from tests.distributed_harness import run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
 
 # A vocabulary large enough that logits dominate: 32 rows × 32 tokens × 4096 / tp2 columns.

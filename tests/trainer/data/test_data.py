@@ -22,7 +22,7 @@ from nereus.trainer.data.datasets import (
 )
 from nereus.trainer.data.tokenizer import TokenizerError, load_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
 import make_dataset  # noqa: E402
 
 VERL_ROWS = [

@@ -28,7 +28,7 @@ from nereus.trainer.elastic.resume import resume_config, runs_on
 from nereus.trainer.data.tasks import build_task, chance_reward
 from tests.distributed_harness import run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TINY_PPO = os.path.join(ROOT, "configs", "tiny_ppo.yaml")
 runner = CliRunner()
 # The controller watches (and calibrates) without ever moving: no budget, no drift that triggers.

@@ -1,0 +1,385 @@
+"""The staged copy and the durable checkpoint under faults: what a node stages, a corrupted copy
+refused for the durable one, and a SIGKILL during staging, a durable write or a live transition
+leaving the last committed state usable."""
+
+import os
+import pickle
+import signal
+from dataclasses import replace
+
+import pytest
+
+from nereus.trainer.prepare import load_config
+from nereus.trainer.elastic.restore import check_staged
+from tests.distributed_harness import run_distributed
+from tests.trainer.elastic.common import TINY_GRPO, SMALL, TWO, ONE
+
+
+def _train_and_stage(rank, world, run_dir, shm_dir):
+    """One gloo rank: 2 steps, a durable checkpoint at step 1, the staged copy of step 2; a
+    fresh trainer restores from the newest valid source, then again once a byte of a staged
+    box file is flipped. Per restore: (step, record, its actor state == that step's, source
+    kinds, staging dir still there, (its step counter, LR == that step's))."""
+    import torch
+
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.staging import Stager
+    from nereus.trainer.elastic.restore import agree_sources, restore_newest
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}",
+                                  "grpo.lr_schedule.decay=linear"])  # the LR moves every update: its position is state
+    os.makedirs(run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    trainer.run_step()
+    trainer.save()
+    states = {1: {k: v.clone() for k, v in trainer.stages["actor.train"].buffers().items()}}
+    lrs = {1: trainer.stages["actor.train"].optimizer.param_groups[0]["lr"]}
+    trainer.run_step()
+    stager = Stager(cfg, rank)
+    trainer.stage(stager)
+    stager.close()
+    states[2] = {k: v.clone() for k, v in trainer.stages["actor.train"].buffers().items()}
+    lrs[2] = trainer.stages["actor.train"].optimizer.param_groups[0]["lr"]
+    out = []
+    for corrupt in (False, True):
+        if corrupt:
+            data = os.path.join(shm_dir, "data")
+            box = sorted(os.path.join(d, f) for d, _, fs in os.walk(data) for f in fs if not f.endswith(".json"))[0]
+            with open(box, "r+b") as f:
+                byte = f.read(1)
+                f.seek(0)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        fresh = Trainer(cfg)
+        sources, reasons = agree_sources(cfg, trainer.checkpoint_root())
+        step, record = restore_newest(fresh, sources, reasons)
+        got = fresh.stages["actor.train"].buffers()
+        same = all(torch.equal(got[k], want) for k, want in states[step].items())
+        lr = fresh.stages["actor.train"].optimizer.param_groups[0]["lr"]
+        out.append((step, record, same, [s.kind for s in sources], os.path.isdir(shm_dir), (fresh.step, lr == lrs[step])))
+    out.append(_capacity_and_a_failed_write(cfg, rank, fresh, shm_dir))
+    return out
+
+
+def _capacity_and_a_failed_write(cfg, rank, trainer, shm_dir):
+    """A stager on a node without room for staging_keep + 1 copies is off (its reason); a
+    write that fails (ENOSPC after the box files are written) turns staging off and leaves no
+    partial data. Returns (enabled, refusal, failed figure, data dirs left, committed steps)."""
+    import errno
+
+    from nereus.store import dcp_io
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.trainer.elastic import staging
+
+    emus = [e for s in trainer.trained_stages() for e in s.emus]
+    real_free, real_finish = staging.free_bytes, dcp_io.BoxWriter.finish
+    staging.free_bytes = lambda root: 1 << 10
+    try:
+        tiny = staging.Stager(cfg, rank, emus)
+    finally:
+        staging.free_bytes = real_free
+    full = staging.Stager(cfg, rank, emus)
+
+    def enospc(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    dcp_io.BoxWriter.finish = enospc
+    try:
+        trainer.stage(full)  # the boxes are written, then the disk is full
+        trainer.stage(full)  # waits for it: the failure
+    finally:
+        dcp_io.BoxWriter.finish = real_finish
+    full.close()
+    data = os.path.join(shm_dir, "data")
+    left = os.listdir(data) if os.path.isdir(data) else []
+    return tiny.enabled, tiny.refused, full.figures().get("failed"), left, CheckpointStore(shm_dir).steps()
+
+
+def _two_nodes_stage(rank, world, run_dir, shm_dir, shared):
+    """One gloo rank standing for a node of its own (``GROUP_RANK``, ``LOCAL_RANK`` 0, its own
+    staging dir unless ``shared``): a durable checkpoint at step 1, staged steps 2 and 3 on
+    FSDP-sharded state. Then fresh trainers restore: both nodes hold step 3; node 1 lost its
+    step 3 (killed while staging it): step 2, and node 0's step 3 retired; node 1's memory
+    gone (a new machine): the durable step 1. Per restore: (step, source, the actor's state
+    == that step's, this node's staged steps after). Plus: this node's part of step 2 (its
+    box files) and the boxes its rank holds; or, ``shared``, (enabled, refusal)."""
+    import shutil
+
+    import torch
+
+    from nereus.store.checkpoint import CheckpointStore, checkpoint_layouts
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.staging import Stager
+    from nereus.trainer.elastic.restore import agree_sources, restore_newest
+
+    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    mine = shm_dir if shared else f"{shm_dir}/{rank}"
+    cfg = load_config(TINY_GRPO, [*SMALL, *TWO, "plan.actor.train.dp_shard=true", f"run_dir={run_dir}",
+                                  f"elastic.staging_dir={mine}"])
+    os.makedirs(run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    emus = [e for s in trainer.trained_stages() for e in s.emus]
+    stager = Stager(cfg, rank, emus)
+    if shared:
+        stager.close()
+        return stager.enabled, stager.refused
+
+    def actor():
+        return {k: v.clone() for k, v in trainer.stages["actor.train"].buffers().items()}
+
+    trainer.run_step()
+    trainer.save()
+    states = {1: actor()}
+    for _ in (2, 3):
+        trainer.run_step()
+        trainer.stage(stager)
+        stager.saver.wait()
+        states[trainer.step] = actor()
+    stager.close()
+    store = CheckpointStore(mine)
+    manifest = store.manifest(2)
+    part = sorted((f.tensor, f.offsets) for f in manifest.files)
+    held = sorted({(name, s.offsets) for name, layout in checkpoint_layouts(emus).items() for s in layout.shards
+                   if s.rank == rank and all(s.lengths)})
+    out = []
+    for case in ("both", "node 1 lost step 3", "node 1 lost its memory"):
+        if case == "node 1 lost step 3" and rank == 1:
+            store.delete(3)
+        if case == "node 1 lost its memory" and rank == 1:
+            shutil.rmtree(mine)
+        torch.distributed.barrier()
+        fresh = Trainer(cfg)
+        sources, reasons = agree_sources(cfg, trainer.checkpoint_root())
+        step, record = restore_newest(fresh, sources, reasons)
+        got = fresh.stages["actor.train"].buffers()
+        same = all(torch.equal(got[k], want) for k, want in states[step].items())
+        left = CheckpointStore(mine).steps() if os.path.isdir(mine) else None
+        out.append((step, record["source"], same, left, record["refused"]))
+        torch.distributed.barrier()
+    return out, part, held, manifest.state["node"]
+
+
+@pytest.mark.timeout(180)
+def test_on_two_nodes_each_stages_its_part_and_a_restart_restores_the_newest_step_both_hold(tmp_path, shm_dir):
+    ranks = run_distributed(_two_nodes_stage, 2, str(tmp_path / "run"), shm_dir, False, timeout=170)
+    for rank, (restores, part, held, node) in enumerate(ranks):
+        assert node == {"ranks": [rank], "world": 2}
+        assert part == held and part  # exactly the boxes this node's rank holds: its shards of the FSDP state
+        both, lost_step, lost_memory = restores
+        assert both[:4] == (3, "staged", True, [2, 3]) and both[4] == []
+        assert lost_step[:4] == (2, "staged", True, [2]) and lost_step[4] == []  # node 0's step 3 is retired
+        assert lost_memory[:3] == (1, "durable", True) and lost_memory[3] is None  # every node's copy discarded
+        assert "rank 1 sees none on its node" in lost_memory[4][0]
+    both = set(ranks[0][1]) & set(ranks[1][1])  # FSDP: each node holds its own shards; AdamW's step counters are on both
+    assert both and all("/optim/step/" in name and offsets == () for name, offsets in both), sorted(both)
+    assert len(ranks[0][1]) > len(both)
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_that_would_stage_into_one_directory_do_not_stage(tmp_path, shm_dir):
+    for enabled, refused in run_distributed(_two_nodes_stage, 2, str(tmp_path / "run"), shm_dir, True, timeout=110):
+        assert not enabled and "are on different nodes but their staging dirs are one directory" in refused
+
+
+def test_a_save_by_a_node_writes_every_box_its_ranks_hold_replicas_too():
+    from nereus.reshard.layout import Shard, TensorLayout
+    from nereus.store.dcp_io import all_boxes, plan_owned_boxes
+
+    shards = [Shard(rank=r, offsets=(0, 0), lengths=(4, 4)) for r in (0, 1, 2, 3)]  # replicated on 4 ranks
+    shards += [Shard(rank=r, offsets=(4 * i, 0), lengths=(4, 4)) for i, r in enumerate((0, 2))]  # sharded over 0 and 2
+    layouts = {"w": TensorLayout(name="w", shape=(8, 4), dtype="float32", shards=tuple(shards[:4])),
+               "v": TensorLayout(name="v", shape=(8, 4), dtype="float32", shards=tuple(shards[4:]))}
+    assert plan_owned_boxes(layouts, 0) == [("v", (0, 0), (4, 4)), ("w", (0, 0), (4, 4))] and plan_owned_boxes(layouts, 2) == [
+        ("v", (4, 0), (4, 4))]
+    node = frozenset({2, 3})  # the replica's lowest holder is on another node: this node writes it too
+    assert plan_owned_boxes(layouts, 2, node) == [("v", (4, 0), (4, 4)), ("w", (0, 0), (4, 4))]
+    assert plan_owned_boxes(layouts, 3, node) == []
+    assert all_boxes(layouts, frozenset({3})) == [("w", (0, 0), (4, 4))]
+
+
+@pytest.mark.timeout(120)
+def test_the_staged_copy_restores_its_step_and_a_corrupted_one_is_refused_for_the_durable(tmp_path, shm_dir):
+    staged, durable, capacity = run_distributed(_train_and_stage, 1, str(tmp_path / "run"), shm_dir, timeout=110)[0]
+    step, record, same, kinds, left, counters = staged
+    assert step == 2 and record["source"] == "staged" and record["refused"] == [] and kinds == ["staged", "durable"]
+    assert same and counters == (2, True) and left  # every element of the actor's state; the step and the LR schedule
+    step, record, same, kinds, left, counters = durable
+    assert kinds == ["staged", "durable"]  # the corrupted copy passed the metadata checks; its bytes did not
+    assert step == 1 and record["source"] == "durable" and same and counters == (1, True)
+    assert len(record["refused"]) == 1 and "staged step 2 refused on rank 0" in record["refused"][0]
+    assert "corrupted" in record["refused"][0] and shm_dir in record["refused"][0]  # names the file
+    assert not left  # discarded: the next attempt does not meet it again
+    enabled, refused, failed, data_left, steps = capacity
+    assert not enabled and "3 copies of the state" in refused and "MiB are free there" in refused
+    assert "No space left on device" in failed and data_left == [] and steps == []  # the partial data went
+
+
+def _kill_while_staging(rank, world, run_dir, shm_dir):
+    """Stage step 1, then die (SIGKILL) inside the staging of step 2, after its box files are
+    written and before its manifest commits."""
+    from nereus.store import checkpoint
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.staging import Stager
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}"])
+    trainer = Trainer(cfg)
+    stager = Stager(cfg, rank)
+    trainer.run_step()
+    trainer.stage(stager)
+    stager.saver.wait()
+    trainer.run_step()
+    checkpoint.CheckpointStore.commit = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    trainer.stage(stager)
+    stager.saver.wait()
+    return "survived"
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, shm_dir):
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.trainer.elastic.restore import local_view
+
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        run_distributed(_kill_while_staging, 1, str(tmp_path / "run"), shm_dir, timeout=110)
+    store = CheckpointStore(shm_dir)
+    assert store.steps() == [1]
+    written = sorted(os.listdir(os.path.join(shm_dir, "data")))
+    assert len(written) == 2 and written[1].startswith("000000000002-")  # step 2's boxes, named by no manifest
+    store.verify(store.manifest(1))  # every block of step 1 against its checksums
+    view = local_view(shm_dir, str(tmp_path / "run" / "checkpoints"))
+    assert view["staged"]["step"] == 1 and check_staged(view["staged"], durable_step=None, run_dir=str(tmp_path / "run")) is None
+
+
+def _actor_state(trainer, rank):
+    """actor.train's every parameter and AdamW tensor, gathered whole on rank 0 (raw bytes)."""
+    from nereus.reshard.gather import gather_full
+    from tests.trainer.elastic.test_resume import raw_bytes
+
+    stage = trainer.stages["actor.train"]
+    full = gather_full(stage.emus, stage.buffers() if stage.member else {}, rank)
+    return None if full is None else {n: raw_bytes(t) for n, t in full.items()}
+
+
+def _kill_while_saving(rank, world, run_dir):
+    """Save step 1 durably, then die (SIGKILL) inside the durable save of step 2, as its third
+    box file's write starts (two writes began before it)."""
+
+    from nereus.store import dcp_io
+    from nereus.trainer.runtime.step import Trainer
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *ONE, f"run_dir={run_dir}"])
+    os.makedirs(run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    trainer.run_step()
+    trainer.save()
+    with open(os.path.join(run_dir, "step1.pkl"), "wb") as f:
+        pickle.dump(_actor_state(trainer, rank), f)
+    trainer.run_step()
+    real, calls = dcp_io.write_file, []
+
+    def dying(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    dcp_io.write_file = dying
+    trainer.save()
+    return "survived"
+
+
+def _restore_and_gather(rank, world, run_dir, sets):
+    """A fresh trainer restores the newest valid source (staged, else durable), as a
+    restarted worker does; rank 0 returns (step, source, actor state, plan it was saved in)."""
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.restore import agree_sources, restore_newest
+
+    cfg = load_config(TINY_GRPO, [*sets, f"run_dir={run_dir}"])
+    trainer = Trainer(cfg)
+    sources, reasons = agree_sources(cfg, trainer.checkpoint_root())
+    step, record = restore_newest(trainer, sources, reasons)
+    state = _actor_state(trainer, rank)
+    return (step, record, state) if rank == 0 else None
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two states of raw bytes (``_actor_state``) hold the same tensors, byte for byte."""
+    import numpy as np
+
+    return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(180)
+def test_a_kill_during_a_durable_write_loses_nothing_committed(tmp_path):
+
+    from nereus.store.checkpoint import CheckpointStore
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        run_distributed(_kill_while_saving, 1, str(run_dir), timeout=110)
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    assert store.steps() == [1]  # step 2's manifest never committed
+    data = lambda: sorted(os.listdir(os.path.join(store.root, "data")))  # noqa: E731
+    assert len(data()) == 2  # step 1's, and step 2's torn data dir that no manifest names
+    store.verify(store.manifest(1))  # every block of step 1 against its checksums
+    step, record, state = run_distributed(_restore_and_gather, 1, str(run_dir), [*SMALL, *ONE], timeout=110)[0]
+    assert step == 1 and record["source"] == "durable"
+    assert _same(state, pickle.loads((run_dir / "step1.pkl").read_bytes()))  # every element of the actor's committed state
+    assert len(data()) == 1  # the restore removed the torn save
+
+
+def _kill_mid_transition(rank, world, run_dir, shm_dir):
+    """2 ranks: a step, its state staged; then a live transition of actor.train (dp2 -> tp2),
+    in which rank 1 dies (SIGKILL) right after posting its first message."""
+
+    from nereus.reshard import transport
+    from nereus.trainer.runtime.step import Trainer
+    from nereus.trainer.elastic.staging import Stager
+
+    cfg = load_config(TINY_GRPO, [*SMALL, *TWO, f"run_dir={run_dir}", f"elastic.staging_dir={shm_dir}", "elastic.collective_timeout_s=30"])
+    os.makedirs(run_dir, exist_ok=True)
+    trainer = Trainer(cfg)
+    trainer.run_step()
+    stager = Stager(cfg, rank)
+    trainer.stage(stager)
+    stager.saver.wait()
+    before = _actor_state(trainer, rank)
+    if rank == 0:
+        with open(os.path.join(run_dir, "before.pkl"), "wb") as f:
+            pickle.dump(before, f)
+    if rank == 1:
+        real = transport.Transport.isend
+
+        def dying(self, *args, **kwargs):
+            work = real(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return work
+
+        transport.Transport.isend = dying
+    plan = cfg.plan
+    new = replace(plan, actor=replace(plan.actor, train=replace(plan.actor.train, dp=1, tp=2)))
+    trainer.apply_plan(new)
+    return "moved"
+
+
+@pytest.mark.timeout(240)
+def test_a_kill_halfway_through_a_transition_leaves_the_old_committed_state_usable(tmp_path, shm_dir):
+    """A live transition moves into fresh buffers and commits nothing: a rank that dies in it
+    (its first message posted) kills the attempt, and the restart restores the step staged
+    before the move, in the old plan, byte for byte."""
+
+    from nereus.store.checkpoint import CheckpointStore
+    from nereus.trainer.elastic.resume import plan_for_start
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="exited with code -9"):
+        run_distributed(_kill_mid_transition, 2, str(run_dir), shm_dir, timeout=150)
+    staged = CheckpointStore(shm_dir)
+    assert staged.steps() == [1]
+    staged.verify(staged.manifest(1))
+    step, record, state = run_distributed(_restore_and_gather, 2, str(run_dir),
+                                          [*SMALL, *TWO, f"elastic.staging_dir={shm_dir}"], timeout=150)[0]
+    assert step == 1 and record["source"] == "staged"
+    assert _same(state, pickle.loads((run_dir / "before.pkl").read_bytes()))  # every element, as before the transition began
+    cfg = load_config(TINY_GRPO, [*SMALL, *TWO, f"run_dir={run_dir}"])
+    restarted, how = plan_for_start(cfg, staged.manifest(1).plan, 2)
+    assert restarted.plan == cfg.plan and how == "the restored state's plan"  # the old plan: the move never committed
