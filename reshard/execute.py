@@ -177,19 +177,8 @@ def reshard_staged(
     holderless = _holderless_boxes(plan, live)
     if version is None and not holderless:
         version = 0
-
-    def stage() -> None:
-        if version is None:
-            shown = ", ".join(f"{n!r} at {list(o)}" for n, o in holderless[:3])
-            raise CoverageError(
-                f"{len(holderless)} source box(es) ({shown}{', ...' if len(holderless) > 3 else ''}) have no live holder "
-                f"and would be read from the staged checkpoint {path!r}, but no version was given: pass the version they "
-                "were staged at (reshard_staged(version=), reshard(staged_version=)), so that boxes an earlier state "
-                "left there are refused instead of mixed with the live ranks' fresh ones"
-            )
-        save_staged(path, plan.src_layouts, src_buffers, rank=rank, live=live, checksums=checksums, version=version)
-
-    verdict = verdict_of(stage)
+    verdict = verdict_of(lambda: _stage_sources(plan, src_buffers, rank=rank, path=path, live=live, checksums=checksums,
+                                                version=version, holderless=holderless))
     # also the barrier: all boxes are staged
     agree(verdict, group=group, members=members, transport=transport, deadline=deadline,
           name="the agreement after staging")
@@ -197,42 +186,66 @@ def reshard_staged(
     local = [] if release_sources else [t for t in wanted if t.src_rank == rank]
     loads = [t for t in wanted if release_sources or t.src_rank != rank]
     readers: list[StagedReader] = []
-
-    def precheck() -> None:  # the targets given; presence, sizes, checksums listed: no byte of data read
-        targets = plan.dst_buffers.get(rank, {})
-        problems = [p for name, tensor in (dst_buffers or {}).items()
-                    for p in check_buffer("target", name, tensor, targets.get(name), rank)]
-        if problems:
-            more = f"; {len(problems) - 4} more" if len(problems) > 4 else ""
-            raise ProcessGroupError(f"rank {rank}: " + "; ".join(problems[:4]) + more)
-        reader = check_staged(path, loads, checksums=checksums, version=version)
-        if reader is not None:
-            reader.deadline = deadline  # checked between the pieces the load fetches
-            readers.append(reader)
-
-    agree(verdict_of(precheck), group=group, members=members, transport=transport, deadline=deadline,
+    agree(verdict_of(lambda: readers.extend(_precheck(plan, rank, dst_buffers, path, loads, checksums=checksums, version=version,
+                                                      deadline=deadline))),
+          group=group, members=members, transport=transport, deadline=deadline,
           name="the agreement after the staged pre-check")
     if release_sources:
         for name in plan.src_buffers.get(rank, {}):
             src_buffers.pop(name, None)
     out = StreamResult(dst_buffers or {})
     out.stats = StreamStats()
-
-    def load() -> None:  # allocation, local copies and the load: any failure reaches the agreement
-        for name, spec in plan.dst_buffers.get(rank, {}).items():
-            if name not in out:
-                out[name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=transport.device)
-        for t in local:
-            t.dst_view(out).copy_(t.src_view(src_buffers))
-            out.stats.bytes_copied += t.nbytes
-        out.stats.bytes_staged = load_staged(path, plan, rank, out, transfers=loads, verified=True, version=version,
-                                             reader=readers[0] if readers else None)
-
-    agree(verdict_of(load), group=group, members=members, transport=transport, deadline=deadline,
+    agree(verdict_of(lambda: _load(plan, rank, out, src_buffers, local, loads, path=path, version=version,
+                                   reader=readers[0] if readers else None, device=transport.device)),
+          group=group, members=members, transport=transport, deadline=deadline,
           what="the staged load failed", default=TransferError, name="the agreement after the staged load")
     if dst_buffers is not None:
         dst_buffers.update(out)
     return out
+
+
+def _stage_sources(plan: TransferPlan, src_buffers, *, rank: int, path: str, live: set[int], checksums: bool,
+                   version: int | None, holderless: list) -> None:
+    """This rank's share of the source boxes into the staged checkpoint at ``path``; refused
+    (CoverageError) when some box has no live holder and no version says which state it is."""
+    if version is None:
+        shown = ", ".join(f"{n!r} at {list(o)}" for n, o in holderless[:3])
+        raise CoverageError(
+            f"{len(holderless)} source box(es) ({shown}{', ...' if len(holderless) > 3 else ''}) have no live holder "
+            f"and would be read from the staged checkpoint {path!r}, but no version was given: pass the version they "
+            "were staged at (reshard_staged(version=), reshard(staged_version=)), so that boxes an earlier state "
+            "left there are refused instead of mixed with the live ranks' fresh ones"
+        )
+    save_staged(path, plan.src_layouts, src_buffers, rank=rank, live=live, checksums=checksums, version=version)
+
+
+def _precheck(plan: TransferPlan, rank: int, dst_buffers, path: str, loads: list[Transfer], *, checksums: bool,
+              version: int | None, deadline: Deadline) -> list[StagedReader]:
+    """The targets given, and the staged boxes' presence, sizes and checksum lists: no byte of
+    data read. The reader to load with (none when this rank loads nothing)."""
+    targets = plan.dst_buffers.get(rank, {})
+    problems = [p for name, tensor in (dst_buffers or {}).items()
+                for p in check_buffer("target", name, tensor, targets.get(name), rank)]
+    if problems:
+        more = f"; {len(problems) - 4} more" if len(problems) > 4 else ""
+        raise ProcessGroupError(f"rank {rank}: " + "; ".join(problems[:4]) + more)
+    reader = check_staged(path, loads, checksums=checksums, version=version)
+    if reader is None:
+        return []
+    reader.deadline = deadline  # checked between the pieces the load fetches
+    return [reader]
+
+
+def _load(plan: TransferPlan, rank: int, out: StreamResult, src_buffers, local: list[Transfer], loads: list[Transfer], *,
+          path: str, version: int | None, reader: StagedReader | None, device) -> None:
+    """Allocation, local copies and the staged load into ``out``: any failure reaches the agreement."""
+    for name, spec in plan.dst_buffers.get(rank, {}).items():
+        if name not in out:
+            out[name] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device)
+    for t in local:
+        t.dst_view(out).copy_(t.src_view(src_buffers))
+        out.stats.bytes_copied += t.nbytes
+    out.stats.bytes_staged = load_staged(path, plan, rank, out, transfers=loads, verified=True, version=version, reader=reader)
 
 
 def _holderless_boxes(plan: TransferPlan, live: Collection[int]) -> list[tuple[str, tuple]]:

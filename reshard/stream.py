@@ -179,32 +179,11 @@ def execute_stream(
     if dist.get_rank() not in members:
         raise ProcessGroupError(f"rank {dist.get_rank()} is not in the process group {members} it was asked to reshard over")
     transport = transport if transport is not None else transport_for(group, device)
-    state: dict = {}
-
-    def local_checks() -> None:
-        state["graph"] = graph_of(plan, graph)
-        state["rounds"] = list(state["graph"].ops_for(rank))
-        problems = [check_stream_inputs(plan, state["rounds"], src_buffers, dst_buffers, rank=rank, members=members,
-                                        device=transport.device)]
-        limit = getattr(state["graph"], "coalesce", COALESCE_BYTES)
-        if coalesce_bytes is not None and coalesce_bytes > limit:
-            problems.append(f"coalesce_bytes={coalesce_bytes} exceeds the {limit} the graph planned staging for "
-                            "(plan_graph(coalesce=...))")
-        problems += [f"{k}={v} is negative" for k, v in (("coalesce_bytes", coalesce_bytes or 0), ("chunk_bytes", chunk_bytes)) if v < 0]
-        if any(problems):
-            raise ProcessGroupError("; ".join(p for p in problems if p))
-
-    verdict = combine(verdict_of(local_checks), extra_error)
-    print_ = None
-    try:
-        print_ = fingerprint(plan, state.get("graph", graph), (tuple(members), checksums, release_sources, chunk_bytes,
-                                                                 coalesce_bytes, transport.coalesced, *options))
-    except Exception as e:  # noqa: BLE001 - a plan this rank cannot even describe is its verdict
-        verdict = combine(verdict, ("ReshardError", f"{type(e).__name__}: {e}"))
-    agree(verdict, group=group, members=members, transport=transport, deadline=deadline, print_=print_,
-          name="the agreement before streaming")
+    agreed = (tuple(members), checksums, release_sources, chunk_bytes, coalesce_bytes, transport.coalesced, *options)
+    graph, rounds, print_ = _agree_to_stream(plan, graph, src_buffers, dst_buffers, rank=rank, group=group, members=members,
+                                             transport=transport, deadline=deadline, coalesce_bytes=coalesce_bytes,
+                                             chunk_bytes=chunk_bytes, extra_error=extra_error, agreed=agreed)
     ready_nccl(group, transport, deadline)
-    graph = state["graph"]
     stats = StreamStats()
     stats.phases["validate"] = time.perf_counter() - t_start
     budget = graph.budget_of(rank) if hasattr(graph, "budget_of") else None
@@ -231,7 +210,7 @@ def execute_stream(
         staged=staged_load,
         crc=_crc_hook,
     )
-    for ops in state["rounds"]:
+    for ops in rounds:
         run_round(ctx, ops)
         ctx.stats.rounds += 1
     alloc(ctx, plan.dst_buffers.get(rank, {}))
@@ -248,6 +227,38 @@ def execute_stream(
     result = StreamResult(ctx.dst)
     result.stats = ctx.stats
     return result
+
+
+def _agree_to_stream(plan: TransferPlan, graph, src_buffers, dst_buffers, *, rank: int, group, members: Sequence[int],
+                     transport: Transport, deadline: Deadline, coalesce_bytes: int | None, chunk_bytes: int,
+                     extra_error: Verdict, agreed: tuple):
+    """This rank's checks of its inputs, then one agreement of every rank on them and on the
+    plan's fingerprint (with ``agreed``: what else the ranks must share), before any byte
+    moves: every rank raises together, or none. Returns (graph, this rank's rounds, fingerprint)."""
+    state: dict = {}
+
+    def local_checks() -> None:
+        state["graph"] = graph_of(plan, graph)
+        state["rounds"] = list(state["graph"].ops_for(rank))
+        problems = [check_stream_inputs(plan, state["rounds"], src_buffers, dst_buffers, rank=rank, members=members,
+                                        device=transport.device)]
+        limit = getattr(state["graph"], "coalesce", COALESCE_BYTES)
+        if coalesce_bytes is not None and coalesce_bytes > limit:
+            problems.append(f"coalesce_bytes={coalesce_bytes} exceeds the {limit} the graph planned staging for "
+                            "(plan_graph(coalesce=...))")
+        problems += [f"{k}={v} is negative" for k, v in (("coalesce_bytes", coalesce_bytes or 0), ("chunk_bytes", chunk_bytes)) if v < 0]
+        if any(problems):
+            raise ProcessGroupError("; ".join(p for p in problems if p))
+
+    verdict = combine(verdict_of(local_checks), extra_error)
+    print_ = None
+    try:
+        print_ = fingerprint(plan, state.get("graph", graph), agreed)
+    except Exception as e:  # noqa: BLE001 - a plan this rank cannot even describe is its verdict
+        verdict = combine(verdict, ("ReshardError", f"{type(e).__name__}: {e}"))
+    agree(verdict, group=group, members=members, transport=transport, deadline=deadline, print_=print_,
+          name="the agreement before streaming")
+    return state["graph"], state["rounds"], print_
 
 
 def _held(plan: TransferPlan, rank: int, src_buffers: Mapping[str, torch.Tensor]) -> int:

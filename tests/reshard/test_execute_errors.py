@@ -46,7 +46,7 @@ def _attempt(out: dict, key: str, rank: int, plan, src, fn) -> None:
 
 
 def _scenarios(rank: int, world: int, root: str) -> dict:
-    from nereus.reshard import staged as staged_mod, stream
+    from nereus.reshard import staged_load as staged_mod, stream
     from nereus.reshard.execute import execute, plan_or_stage, reshard
 
     out: dict = {}

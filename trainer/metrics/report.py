@@ -47,11 +47,25 @@ def read_jsonl(path: str, required: tuple[str, ...] = ("step",), skipped: list |
 def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
     """Write the plots and ``report.md`` (module docstring); returns the report's path. The
     budget drawn is ``budget_gib``, else the run's ``config.json``'s ``device_memory_gib``."""
-    import matplotlib
+    run = _read_run(run_dir, budget_gib)
+    out = os.path.join(run_dir, "report")
+    os.makedirs(out, exist_ok=True)
+    plots = _Plots(out, run["moves"])
+    _plot_reward(plots, run)
+    _plot_stages(plots, run)
+    _plot_plan(plots, run)
+    if run["predictions"]:
+        _plot_predicted(plots, run)
+    _plot_memory(plots, run)
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as f:
+        f.write(_markdown(run_dir, run["metrics"], run["predictions"], run["events"], run["moves"], run["skipped"], run["validation"]))
+    return path
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _read_run(run_dir: str, budget_gib: float | None) -> dict:
+    """The run's records: steps (``metrics``), validations, predictions, transition events
+    (``moves``: the measured transitions), the lines skipped, and the memory budget."""
     skipped: list[str] = []
     # a step's record (with its validation, if one ran), or the validation before step 1
     records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"), ("step", "reward_mean", "kl", "step_seconds"), skipped,
@@ -70,20 +84,37 @@ def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
                              ("step", "step_measured_s", "step_predicted_s", "error", "memory"), skipped)
     events = read_jsonl(os.path.join(run_dir, "transitions.jsonl"), ("step", "kind"), skipped)
     moves = [e for e in events if e["kind"] == "transition" and "measured_s" in e]
-    out = os.path.join(run_dir, "report")
-    os.makedirs(out, exist_ok=True)
-    steps = [m["step"] for m in metrics]
+    return {"metrics": metrics, "validation": validation, "predictions": predictions, "events": events, "moves": moves,
+            "skipped": skipped, "budget_gib": budget_gib, "steps": [m["step"] for m in metrics]}
 
-    def mark(ax) -> None:
-        for e in moves:
+
+class _Plots:
+    """Figures into ``out`` (matplotlib's Agg backend), each with the run's transitions marked."""
+
+    def __init__(self, out: str, moves: list[dict]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        self.out, self.moves, self.plt = out, moves, plt
+
+    def figure(self, **kw):
+        return self.plt.subplots(**kw)
+
+    def mark(self, ax) -> None:
+        for e in self.moves:
             ax.axvline(e["step"] + 0.5, color="tab:red", alpha=0.4, linestyle="--")
 
-    def save(fig, name: str) -> None:
+    def save(self, fig, name: str) -> None:
         fig.tight_layout()
-        fig.savefig(os.path.join(out, name), dpi=90)
-        plt.close(fig)
+        fig.savefig(os.path.join(self.out, name), dpi=90)
+        self.plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+
+def _plot_reward(plots: _Plots, run: dict) -> None:
+    metrics, validation, steps = run["metrics"], run["validation"], run["steps"]
+    fig, ax = plots.figure(figsize=(8, 3.5))
     ax.plot(steps, [m["reward_mean"] for m in metrics], label="reward")
     if "task_reward_mean" in metrics[0]:
         ax.plot(steps, [m.get("task_reward_mean") for m in metrics], label="task reward")
@@ -94,19 +125,26 @@ def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
     ax2 = ax.twinx()
     ax2.plot(steps, [m["kl"] for m in metrics], color="tab:gray", alpha=0.6, label="KL")
     ax.set_xlabel("step"), ax.set_ylabel("reward"), ax2.set_ylabel("KL")
-    ax.legend(loc="upper left"), mark(ax)
-    save(fig, "reward.png")
+    ax.legend(loc="upper left"), plots.mark(ax)
+    plots.save(fig, "reward.png")
 
+
+def _plot_stages(plots: _Plots, run: dict) -> None:
+    metrics, steps = run["metrics"], run["steps"]
     names = sorted({n for m in metrics for n in m.get("stages", {})})
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ax = plots.figure(figsize=(8, 3.5))
     for name in names:
         ax.plot(steps, [m.get("stages", {}).get(name, {}).get("seconds") for m in metrics], label=name)
-    ax.set_xlabel("step"), ax.set_ylabel("seconds"), mark(ax)
+    ax.set_xlabel("step"), ax.set_ylabel("seconds"), plots.mark(ax)
     ax.legend(fontsize=7, ncol=2)
-    save(fig, "stages.png")
+    plots.save(fig, "stages.png")
 
+
+def _plot_plan(plots: _Plots, run: dict) -> None:
+    """The plan timeline: one bar per model-stage, a segment per layout it ran in."""
+    metrics, steps = run["metrics"], run["steps"]
     keys = sorted({k for m in metrics for k in m.get("plan", {})})
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * max(len(keys), 1)))
+    fig, ax = plots.figure(figsize=(8, 0.5 + 0.45 * max(len(keys), 1)))
     for row, key in enumerate(keys):
         labels = [m.get("plan", {}).get(key, "") for m in metrics]
         start = 0
@@ -115,26 +153,31 @@ def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
                 ax.barh(row, steps[i - 1] - steps[start] + 1, left=steps[start] - 0.5, alpha=0.5)
                 ax.text(steps[start] - 0.3, row, labels[start], va="center", fontsize=7)
                 start = i
-    ax.set_yticks(range(len(keys)), keys), ax.set_xlabel("step"), mark(ax)
-    save(fig, "plan.png")
+    ax.set_yticks(range(len(keys)), keys), ax.set_xlabel("step"), plots.mark(ax)
+    plots.save(fig, "plan.png")
 
-    if predictions:
-        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-        ps = [p["step"] for p in predictions]
-        a.plot(ps, [p["step_measured_s"] for p in predictions], label="measured")
-        a.plot(ps, [p["step_predicted_s"] for p in predictions], label="predicted (before the step)")
-        a.set_xlabel("step"), a.set_ylabel("seconds of the model-stages"), a.legend(), mark(a)
-        if moves:
-            xs = range(len(moves))
-            b.bar([x - 0.2 for x in xs], [e.get("predicted_s") or 0 for e in moves], width=0.4, label="predicted")
-            b.bar([x + 0.2 for x in xs], [e["measured_s"] for e in moves], width=0.4, label="measured")
-            b.set_xticks(list(xs), [f"step {e['step']}" for e in moves], fontsize=7)
-            b.set_ylabel("transition seconds"), b.legend()
-        else:
-            b.text(0.5, 0.5, "no transition", ha="center")
-        save(fig, "predicted.png")
 
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+def _plot_predicted(plots: _Plots, run: dict) -> None:
+    predictions, moves = run["predictions"], run["moves"]
+    fig, (a, b) = plots.figure(ncols=2, figsize=(10, 3.5))
+    ps = [p["step"] for p in predictions]
+    a.plot(ps, [p["step_measured_s"] for p in predictions], label="measured")
+    a.plot(ps, [p["step_predicted_s"] for p in predictions], label="predicted (before the step)")
+    a.set_xlabel("step"), a.set_ylabel("seconds of the model-stages"), a.legend(), plots.mark(a)
+    if moves:
+        xs = range(len(moves))
+        b.bar([x - 0.2 for x in xs], [e.get("predicted_s") or 0 for e in moves], width=0.4, label="predicted")
+        b.bar([x + 0.2 for x in xs], [e["measured_s"] for e in moves], width=0.4, label="measured")
+        b.set_xticks(list(xs), [f"step {e['step']}" for e in moves], fontsize=7)
+        b.set_ylabel("transition seconds"), b.legend()
+    else:
+        b.text(0.5, 0.5, "no transition", ha="center")
+    plots.save(fig, "predicted.png")
+
+
+def _plot_memory(plots: _Plots, run: dict) -> None:
+    metrics, predictions, steps, budget_gib = run["metrics"], run["predictions"], run["steps"], run["budget_gib"]
+    fig, ax = plots.figure(figsize=(8, 3.5))
     world = max((len(r["peak_bytes"]) for m in metrics for r in m.get("stages", {}).values()), default=0)
     for rank in range(world):
         ax.plot(steps, [max((r["peak_bytes"][rank] for r in m.get("stages", {}).values()), default=0) / 2**30 for m in metrics],
@@ -144,13 +187,8 @@ def make_report(run_dir: str, *, budget_gib: float | None = None) -> str:
                 color="black", linestyle=":", label="model (largest rank)")
     if budget_gib:
         ax.axhline(budget_gib, color="tab:red", label="budget")
-    ax.set_xlabel("step"), ax.set_ylabel("GiB"), ax.legend(fontsize=7), mark(ax)
-    save(fig, "memory.png")
-
-    path = os.path.join(out, "report.md")
-    with open(path, "w") as f:
-        f.write(_markdown(run_dir, metrics, predictions, events, moves, skipped, validation))
-    return path
+    ax.set_xlabel("step"), ax.set_ylabel("GiB"), ax.legend(fontsize=7), plots.mark(ax)
+    plots.save(fig, "memory.png")
 
 
 def _mean(xs: Iterable[float]) -> float:
