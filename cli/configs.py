@@ -1,8 +1,12 @@
-"""`nereus configs`: the job configs shipped in the package ``nereus.configs``.
+"""`nereus configs`: the job configs shipped in the package ``nereus.configs``, and the config reference.
 
 The configs are package data, found through ``importlib.resources`` so that they resolve
 in a source checkout (configs/) and in an installed wheel alike. A package installed from
 a wheel is a plain folder, so its files are real paths that the loader can open.
+
+``nereus configs --reference`` prints every config key with its type, default and meaning as
+Markdown, generated from the dataclasses (``trainer/config/reference.py``); ``docs/config.md``
+is that output, kept equal to it by ``tests/cli/test_config_reference.py``.
 """
 
 from __future__ import annotations
@@ -53,8 +57,16 @@ def first_comment(path: Path) -> str:
 
 def configs(
     path: Optional[str] = typer.Option(None, "--path", metavar="NAME", help="Print the absolute path of one shipped config."),
+    reference: bool = typer.Option(
+        False, "--reference", help="Print the reference of every config key (type, default, meaning) as Markdown: docs/config.md."
+    ),
 ) -> None:
-    """List the shipped job configs (name and first comment line), or print one's path."""
+    """List the shipped job configs (name and first comment line), print one's path, or print the config reference."""
+    if reference:
+        from nereus.trainer.config.reference import render_markdown  # deferred: the schema imports torch
+
+        typer.echo(render_markdown(), nl=False)
+        return
     if path is not None:
         try:
             typer.echo(shipped_config(path))

@@ -3,6 +3,8 @@
 - ``schema``  the tree: typed frozen dataclasses (``JobConfig`` and its sections), ``ConfigError``
 - ``loader``  YAML 1.2 scalars, ``--set key.sub=value`` overrides, the typed build with did-you-mean
 - ``checks``  values in range, the plan against the world and the models' shapes
+- ``names``   the model-stage names (``actor.train``, ...), defined once
+- ``reference`` every key's type, default and meaning, read from ``schema``'s source (``nereus configs --reference``)
 
 The ground floor of ``trainer/``: it imports no other trainer folder. The whole path from a
 YAML file to a runnable job (HF directories, the vocabulary, ``plan: auto``, the checks that

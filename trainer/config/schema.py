@@ -28,11 +28,11 @@ class ConfigError(ValueError):
 class RopeScalingConfig:
     """Llama 3.1's RoPE frequency scaling, as its config.json's ``rope_scaling``."""
 
-    rope_type: Literal["llama3"] = "llama3"
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    rope_type: Literal["llama3"] = "llama3"  # HF's rope_type; llama3 is the one scaling supported
+    factor: float = 8.0  # the long wavelengths' frequencies are divided by this
+    low_freq_factor: float = 1.0  # wavelengths above original_max_position_embeddings / this get frequency / factor
+    high_freq_factor: float = 4.0  # wavelengths below original_max_position_embeddings / this keep theirs; in between, a blend
+    original_max_position_embeddings: int = 8192  # the context (tokens) the model was pretrained at
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,26 +41,28 @@ class ModelConfig:
     from there; the sizes are still required, because plans are validated before any file is
     read, and the model builder checks them against the directory's config.json."""
 
-    path: str | None = None
+    path: str | None = None  # an HF model directory: its config.json fills the shapes left out (given ones must agree), its safetensors the weights; None: trained from scratch
     vocab_size: int | None = None  # None: the task's vocabulary (models trained from scratch)
-    hidden_size: int = 64
-    intermediate_size: int = 192
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int | None = None
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
+    hidden_size: int = 64  # width of the residual stream (d_model)
+    intermediate_size: int = 192  # width of the SwiGLU MLP's hidden layer
+    num_layers: int = 2  # transformer blocks
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention); divides num_heads
+    head_dim: int | None = None  # per-head width; None: hidden_size / num_heads
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2 has them)
+    tie_embeddings: bool = False  # the LM head shares the input embedding's weight
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # compute dtype; training keeps fp32 masters
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScalingConfig | None = None
-    rms_norm_eps: float = 1e-6
-    max_seq_len: int = 32
+    rope_theta: float = 10000.0  # RoPE base θ of the rotary frequencies
+    rope_scaling: RopeScalingConfig | None = None  # None: plain RoPE
+    rms_norm_eps: float = 1e-6  # ε of every RMSNorm
+    max_seq_len: int = 32  # tokens of the longest sequence (prompt + response) it serves; with path at most config.json's max_position_embeddings; a dataset job derives it when left out
     init_std: float = 0.02  # std of the normal init of matrices (models trained from scratch)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TaskConfig:
+    """A built-in toy task (``trainer/data/tasks.py``): the prompts and the rule reward of a job without a dataset."""
+
     name: Literal["repeat", "count"] = "repeat"  # see trainer/data/tasks.py
     digits: int = 3  # digits in the prompt
     response_len: int = 6  # answer digits before <eos>
@@ -76,7 +78,7 @@ class DataConfig:
     ``extra_info``. Plain rows: ``prompt_key`` (text or messages) and ``answer_key``."""
 
     train_files: tuple[str, ...] = ()  # parquet, JSONL, or a directory saved by HF datasets; a string is one file
-    val_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()  # validation prompts, in the same formats; validation.every needs them
     prompt_key: str = "prompt"  # text, or chat messages rendered with the tokenizer's chat template
     answer_key: str | None = None  # None: verl's reward_model.ground_truth
     max_prompt_length: int = 512  # tokens, after the chat template
@@ -86,6 +88,8 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokenizerConfig:
+    """The tokenizer of a dataset job (``trainer/data/tokenizer.py``)."""
+
     path: str | None = None  # None: model.path's own tokenizer
 
 
@@ -102,21 +106,25 @@ class RewardConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ValidationConfig:
+    """Generation on the validation set (``data.val_files``), scored by the rule reward."""
+
     every: int = 0  # steps between validations (and one before the first step); 0: never
     at_start: bool = True  # validate before the first step too
     temperature: float = 0.0  # greedy by default
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling mass (1: off)
     max_new_tokens: int | None = None  # None: rollout.max_new_tokens
     max_prompts: int | None = None  # None: the whole validation set
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 4
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
+    """The rollout (``actor.gen``): how many responses a step samples, how long, and how."""
+
+    prompts_per_step: int = 8  # prompts drawn per RL step
+    samples_per_prompt: int = 4  # responses sampled per prompt (GRPO's group, >= 2); a step's batch is prompts × samples
+    max_new_tokens: int = 8  # the longest response, in tokens (sampling stops earlier at <eos>)
+    temperature: float = 1.0  # sampling temperature (> 0)
+    top_p: float = 1.0  # nucleus sampling: the most likely tokens holding this probability mass (1: off)
     ignore_eos: bool = False  # keep sampling past <eos> (vLLM's SamplingParams.ignore_eos): fixed-length rollouts
     engine: Literal["builtin", "vllm"] = "builtin"  # vllm: trainer/rollout/vllm_engine.py, needs plan.actor.gen.fused
     gpu_memory_utilization: float = 0.5  # vllm only: its share of each GPU (weights + KV cache), as vLLM's LLM(...)
@@ -142,37 +150,41 @@ class LRScheduleConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PPOConfig:
-    lr: float = 1e-3
-    critic_lr: float = 1e-3
+    """PPO's hyperparameters (``trainer/algos/ppo.py``): the clipped policy and critic, GAE, the KL penalty."""
+
+    lr: float = 1e-3  # the actor's AdamW learning rate (the peak of lr_schedule)
+    critic_lr: float = 1e-3  # the critic's AdamW learning rate (the peak of critic_lr_schedule)
     clip: float = 0.2  # ratio clip ε
-    value_clip: float = 0.2
+    value_clip: float = 0.2  # c of the clipped value loss: new values count at most c away from the old ones
     kl_coef: float = 0.01  # β
     kl_in_reward: bool = True  # k1 penalty in the token rewards; False: k3 loss term
-    gamma: float = 1.0
-    lam: float = 0.95
-    epochs: int = 2
-    minibatch_size: int = 16
-    whiten: bool = True
-    entropy_coef: float = 0.0
-    max_grad_norm: float = 1.0
+    gamma: float = 1.0  # GAE discount γ per response token
+    lam: float = 0.95  # GAE λ
+    epochs: int = 2  # passes over a step's batch, each cut afresh (seeded) into mini-batches
+    minibatch_size: int = 16  # responses per optimizer step; divides the step's batch (prompts_per_step × samples_per_prompt)
+    whiten: bool = True  # whiten the advantages over the batch's response tokens (mean 0, variance 1)
+    entropy_coef: float = 0.0  # c_H of the entropy bonus (−c_H · H per token); 0: off
+    max_grad_norm: float = 1.0  # clip each model's global gradient L2 norm to this, per optimizer step; 0: no clipping
     loss_agg: LossAgg = "token_mean"  # trainer/algos/ppo.py, "Aggregation"
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # the actor's
-    critic_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    critic_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # the critic's
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GRPOConfig:
-    lr: float = 1e-3
-    clip: float = 0.2
+    """GRPO's hyperparameters (``trainer/algos/grpo.py``): group-relative advantages, the k3 KL as a loss term."""
+
+    lr: float = 1e-3  # the actor's AdamW learning rate (the peak of lr_schedule)
+    clip: float = 0.2  # ratio clip ε
     kl_coef: float = 0.01  # β of the k3 loss term
     scale_by_std: bool = True  # False: no std in the advantage (Dr. GRPO with loss_agg: seq_mean_token_sum)
-    eps: float = 1e-4
-    epochs: int = 2
-    minibatch_size: int = 16
-    entropy_coef: float = 0.0
-    max_grad_norm: float = 1.0
+    eps: float = 1e-4  # added to the group's reward std in the advantage's denominator
+    epochs: int = 2  # passes over a step's batch, each cut afresh (seeded) into mini-batches
+    minibatch_size: int = 16  # responses per optimizer step; divides the step's batch (prompts_per_step × samples_per_prompt)
+    entropy_coef: float = 0.0  # c_H of the entropy bonus (−c_H · H per token); 0: off
+    max_grad_norm: float = 1.0  # clip the actor's global gradient L2 norm to this, per optimizer step; 0: no clipping
     loss_agg: LossAgg = "token_mean"  # seq_mean_token_sum with scale_by_std: false is Dr. GRPO
-    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # the actor's
 
 
 Recompute = Literal["none", "full", "selective"]
@@ -182,10 +194,10 @@ Recompute = Literal["none", "full", "selective"]
 class StageConfig:
     """Parallel config of one model-stage; ``ranks`` None = all ranks 0 … nproc−1."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ranks: tuple[int, ...] | None = None
+    dp: int = 1  # data-parallel replicas, each running its share of the rows
+    tp: int = 1  # tensor-parallel degree: heads and MLP columns split over tp consecutive ranks
+    pp: int = 1  # pipeline stages: the layers cut into pp contiguous ranges
+    ranks: tuple[int, ...] | None = None  # its dp·tp·pp global ranks, TP fastest, then PP, then DP; None: 0 … nproc−1
     dp_shard: bool = False  # shard state over dp (FSDP2) instead of replicating it
     fused: bool = False  # actor.gen only: vLLM-style fused qkv / gate_up buffers
     micro_batch_size: int | None = None  # train/infer stages: rows per forward of a replica (verl's *_micro_batch_size_per_gpu)
@@ -226,27 +238,35 @@ class StageConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActorPlan:
-    train: StageConfig
-    gen: StageConfig
+    """The actor's model-stages: ``train`` (the policy update) and ``gen`` (the rollout)."""
+
+    train: StageConfig  # the actor's training layout: updates and old log-probs
+    gen: StageConfig  # the rollout layout the training weights stream into every step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CriticPlan:
-    train: StageConfig | None = None
-    infer: StageConfig | None = None
+    """The critic's model-stages (PPO): ``train``, and ``infer`` (a synced copy for the values; optional)."""
+
+    train: StageConfig | None = None  # the critic's training layout (PPO needs it)
+    infer: StageConfig | None = None  # the values' layout, synced from critic.train; None: critic.train computes them in its own layout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InferPlan:
-    infer: StageConfig | None = None
+    """An inference-only model's stage (``ref``: the reference log-probs; ``reward``: a reward model)."""
+
+    infer: StageConfig | None = None  # the inference layout: the reference's log-probs, or the reward model's scores
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanConfig:
-    actor: ActorPlan
-    critic: CriticPlan | None = None
-    ref: InferPlan | None = None
-    reward: InferPlan | None = None
+    """Every model-stage's parallel config (``plan.<model>.<stage>``), or ``plan: auto`` for the search's."""
+
+    actor: ActorPlan  # actor.train and actor.gen: every job
+    critic: CriticPlan | None = None  # PPO only
+    ref: InferPlan | None = None  # needed when the algorithm's kl_coef > 0
+    reward: InferPlan | None = None  # needed with a reward_model, refused without one
 
     def stages(self) -> dict[str, StageConfig]:
         """The model-stages this plan places, by dotted name ("actor.train", …)."""
@@ -266,14 +286,14 @@ class PlanConfig:
 class ControllerConfig:
     """The live controller (``trainer/controller/``): replans while the job runs."""
 
-    enabled: bool = False
+    enabled: bool = False  # replan while the job runs (plan: auto chooses the first plan either way)
     drift: float = 0.3  # relative change of a watched signal that triggers a replan
     gamma: float = 0.5  # the paper's γ: a transition must pay back within γ · H steps
     hysteresis: int = 8  # steps during which a plan just left is not re-entered
     calibrate: bool = True  # False: the device profile's priors only (reproducible decisions)
     stages: tuple[str, ...] | None = None  # the model-stages it may move (None: all); the others keep their plan
-    max_tp: int | None = None  # search space limits (None: what the world and the model allow)
-    max_pp: int | None = None
+    max_tp: int | None = None  # the search's largest tp (None: what the world and the model allow)
+    max_pp: int | None = None  # the search's largest pp (None: what the world and the model allow)
     lookahead: int = 8  # a new plan must fit the workload extrapolated this many steps ahead
     verify: bool = False  # gather and compare the moved state of every transition (small models: tests)
 
@@ -286,7 +306,7 @@ class LoggingConfig:
     """Where each step's metrics go besides ``RUN_DIR/metrics.jsonl`` (always written), from
     rank 0 (``trainer/metrics/trackers.py``); wandb and mlflow are optional extras."""
 
-    trackers: tuple[Tracker, ...] = ("console", "tensorboard")
+    trackers: tuple[Tracker, ...] = ("console", "tensorboard")  # console, tensorboard (RUN_DIR/tensorboard), wandb, mlflow
     console_every: int = 1  # console: one line every this many steps (and the last)
     project: str = "nereus"  # wandb project, MLflow experiment
     run_name: str | None = None  # None: the run directory's name
@@ -312,29 +332,31 @@ class ElasticConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
-    seed: int = 0
-    algorithm: Literal["ppo", "grpo"] = "ppo"
-    steps: int = 40
-    nproc: int = 1
+    """One RL job: its algorithm, models, data, rollout, plan and runtime settings (``nereus train CONFIG``)."""
+
+    seed: int = 0  # the job's seed: init, sampling, prompts and mini-batches are drawn from it (trainer/seeds.py)
+    algorithm: Literal["ppo", "grpo"] = "ppo"  # its hyperparameters are the section of that name
+    steps: int = 40  # RL steps of the run (each: weight sync, generation, inference, training)
+    nproc: int = 1  # worker processes, ranks 0 … nproc−1: local workers, or the whole world under torchrun
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where model-stages run; see resolve_device
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"  # metrics.jsonl, tensorboard/ and checkpoints/ go here
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end
     device_memory_gib: float | None = None  # per-rank budget the plan must fit (trainer/controller/memory.py); None: no check
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the actor's decoder, and the reference's
     critic: ModelConfig | None = None  # None: the actor's shapes, with a value head
     reward_model: ModelConfig | None = None  # None: the task's rule reward
     task: TaskConfig = field(default_factory=TaskConfig)  # the built-in toy tasks; a dataset job sets data instead
-    data: DataConfig | None = None
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    data: DataConfig | None = None  # a prompt dataset; None: the toy task
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # a dataset job's tokenizer
+    reward: RewardConfig = field(default_factory=RewardConfig)  # a dataset job's rule rewards
+    validation: ValidationConfig = field(default_factory=ValidationConfig)  # validation runs over data.val_files
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # the batch of a step and its sampling
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # hyperparameters of algorithm: ppo
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # hyperparameters of algorithm: grpo
     device_profile: str = "cpu"  # a shipped profile (cpu, a100, h100, h200, mi250x) or a YAML path: trainer/controller/profiles.py
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)  # the live controller (replanning)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # trackers besides metrics.jsonl
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)  # restarts: staged state, collective deadlines
     plan: PlanConfig  # or "auto": the controller's search chooses it at load time
 
     @property
