@@ -297,7 +297,7 @@ def test_dataset_rewards_keep_the_functions_metrics_apart_and_count_failed_calls
     from nereus.trainer.data.datasets import PromptRow
     from nereus.trainer.data.prompts import DatasetSource, Prompts
 
-    contract = f"{ROOT / 'tests' / 'trainer' / 'reward_fns' / 'contract.py'}:compute_score"
+    contract = f"{ROOT / 'tests' / 'trainer' / 'data' / 'reward_fns' / 'contract.py'}:compute_score"
     cfg = load_config(TINY_TEXT, [f"model.path={made['model']}", f"data.train_files={made['train']}",
                                   f"data.val_files={made['val']}", f"reward.function={contract}", "reward.on_error=zero"])
     source = DatasetSource(cfg)

@@ -422,6 +422,8 @@ def fake_vllm(monkeypatch):
         monkeypatch.setitem(sys.modules, "vllm.inputs", types.SimpleNamespace(TokensPrompt=lambda prompt_token_ids: prompt_token_ids))
         platform = types.SimpleNamespace(is_cpu=lambda: cpu)
         monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=platform))
+        backend = types.SimpleNamespace(get_supported_head_sizes=lambda: [8, 32, 64])  # the stand-in runs the tiny head_dim 8
+        monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.cpu_attn", types.SimpleNamespace(CPUAttentionBackend=backend))
 
     for key, value in dict(RANK="0", LOCAL_RANK="0", VLLM_ENABLE_V1_MULTIPROCESSING="1").items():
         monkeypatch.setenv(key, value)  # restored afterwards: the engine sets the last one to 0
