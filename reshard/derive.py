@@ -2,7 +2,12 @@
 
 Sharding rules, per HuggingFace parameter of a Llama/Qwen2-family decoder, for TP degree t:
 
-- ``embed_tokens``, ``lm_head``: vocab-parallel, dim 0 split in t equal parts;
+- ``embed_tokens``, ``lm_head``: vocab-parallel, dim 0 in ``torch.chunk`` pieces of
+  ``c = ceil(V / t)`` rows (DTensor's ``Shard(0)``): TP rank r holds token ids
+  ``[min(r·c, V), min((r+1)·c, V))`` (``vocab_range``), the last shards shorter and (only
+  when ``V ≤ (t − 1)²``) possibly empty: no shard, the rank holds none of the tensor. No
+  padding: every layout holds exactly the real V rows, so EMUs, checkpoints and HF exports are the
+  same whatever the TP degree (``docs/vocab.md``). t > V is refused;
 - ``q_proj``, ``gate_proj``, ``up_proj`` (and q/k/v biases): column-parallel, dim 0 split;
 - ``k_proj``, ``v_proj``: split by KV head when t divides the KV heads; when there are
   fewer KV heads than TP ranks (GQA), each head is replicated on t / kv consecutive
@@ -181,15 +186,31 @@ def plan_layer_ranges(num_layers: int, pp: int) -> list[range]:
     return ranges
 
 
+def vocab_shard_rows(vocab_size, tp):
+    """Rows of the largest vocabulary shard under TP degree ``tp``: ``ceil(V / tp)`` (TP rank
+    0's; elementwise over numpy arrays of ``tp``). What a layout's memory and time are priced by."""
+    return -(-vocab_size // tp)
+
+
+def vocab_range(vocab_size: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """Token ids ``[start, stop)`` TP rank ``tp_rank`` of ``tp`` holds of a vocab-parallel
+    tensor: ``torch.chunk``/DTensor ``Shard(0)`` of V rows, ``start == stop`` when the rank's
+    shard is empty (the module docstring)."""
+    rows = vocab_shard_rows(vocab_size, tp)
+    return min(tp_rank * rows, vocab_size), min((tp_rank + 1) * rows, vocab_size)
+
+
 def check_tp(spec: DecoderSpec, tp: int) -> None:
-    """Raise unless ``tp`` divides what TP splits (heads, vocab, intermediate size)."""
+    """Raise unless ``tp`` fits what TP splits: it divides the heads and the intermediate size,
+    the KV heads divide it or it them, and it is at most the vocabulary (which need not
+    divide: the vocab shards are ``vocab_range``'s, the last shorter)."""
     kv = spec.num_kv_heads
     if spec.num_heads % tp:
         raise LayoutError(f"tp={tp} does not divide num_heads={spec.num_heads}")
     if kv % tp and tp % kv:
         raise LayoutError(f"tp={tp} and num_kv_heads={kv}: one must divide the other")
-    if spec.vocab_size % tp:
-        raise LayoutError(f"tp={tp} does not divide vocab_size={spec.vocab_size}")
+    if tp > spec.vocab_size:
+        raise LayoutError(f"tp={tp} is larger than vocab_size={spec.vocab_size}: more TP ranks than vocabulary rows")
     if spec.intermediate_size % tp:
         raise LayoutError(f"tp={tp} does not divide intermediate_size={spec.intermediate_size}")
 
@@ -201,6 +222,9 @@ def _tp_box(spec: DecoderSpec, shape: Dims, kind: str, tp: int, t: int) -> tuple
     if kind == "row":
         n = shape[1] // tp
         return (0, t * n), (shape[0], n)
+    if kind == "vocab":
+        start, stop = vocab_range(shape[0], tp, t)
+        return (start, 0), (stop - start, shape[1])
     if kind == "kv" and spec.num_kv_heads < tp:
         hd = spec.dim_head
         head = t // (tp // spec.num_kv_heads)
@@ -290,6 +314,8 @@ def derive_emus(
             for p in stages:
                 for t in range(config.tp):
                     offsets, lengths = _tp_box(spec, shape, kind, config.tp, t)
+                    if lengths[0] == 0:
+                        continue  # an empty vocabulary shard: this TP rank holds none of the tensor
                     buffer, row = piece or ("", 0)
                     for d in dps:
                         rank = config.rank(dp=d, pp=p, tp=t)

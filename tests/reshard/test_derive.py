@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nereus.reshard.derive import derive_emus, plan_layer_ranges, plan_parameters
+from nereus.reshard.derive import check_tp, derive_emus, plan_layer_ranges, plan_parameters, vocab_range, vocab_shard_rows
 from nereus.reshard.errors import LayoutError
 from nereus.reshard.layout import ParallelConfig, emu_from_dict, emu_to_dict, local_buffers
 
@@ -53,13 +53,40 @@ def test_layer_ranges_are_contiguous_and_balanced(layers, pp, sizes):
     [
         ({}, 3, 1, "tp=3 does not divide num_heads=4"),
         ({}, 1, 5, "pp=5 is larger than the number of layers"),
-        (dict(vocab_size=66), 4, 1, "tp=4 does not divide vocab_size=66"),
+        (dict(vocab_size=3), 4, 1, "tp=4 is larger than vocab_size=3"),
         (dict(num_heads=6, num_kv_heads=3, hidden_size=48), 2, 1, "num_kv_heads=3"),
     ],
 )
 def test_layouts_that_do_not_fit_the_model_are_rejected(spec_kwargs, tp, pp, message):
     with pytest.raises(LayoutError, match=message):
         derive_emus(tiny_spec(**spec_kwargs), ParallelConfig.on(tp=tp, pp=pp), model="a", stage="s")
+
+
+@pytest.mark.parametrize("vocab, tp, rows", [
+    (64, 4, [16, 16, 16, 16]),
+    (21, 2, [11, 10]),
+    (21, 4, [6, 6, 6, 3]),
+    (50257, 4, [12565, 12565, 12565, 12562]),  # GPT-2's vocabulary
+    (5, 4, [2, 2, 1, 0]),  # V <= (tp - 1)**2: the last rank's shard may be empty
+])
+def test_vocab_shards_are_torch_chunk_pieces_of_the_real_vocabulary(vocab, tp, rows):
+    """No padding: the TP shards of embed_tokens/lm_head are torch.chunk (DTensor Shard(0))
+    of the V real rows, the last shorter or empty; an empty shard is no shard at all."""
+    assert [len(c) for c in torch.arange(vocab).chunk(tp)] == [r for r in rows if r]  # torch's own rule, the oracle
+    assert [vocab_range(vocab, tp, t)[1] - vocab_range(vocab, tp, t)[0] for t in range(tp)] == rows
+    assert vocab_shard_rows(vocab, tp) == max(rows)
+    spec = tiny_spec(vocab_size=vocab)
+    check_tp(spec, tp)
+    (emu,) = derive_emus(spec, ParallelConfig.on(tp=tp), model="a", stage="train", optimizer=True)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "optim/exp_avg/lm_head.weight"):
+        layout = emu.tensor(name)
+        assert layout.shape == (vocab, 32)
+        assert [(s.rank, s.offsets[0], s.lengths[0]) for s in layout.shards] == [
+            (t, sum(rows[:t]), n) for t, n in enumerate(rows) if n
+        ]
+    holders = {s.rank for s in emu.tensor("optim/step/lm_head.weight").shards}
+    assert holders == {t for t, n in enumerate(rows) if n}
+    emu_from_dict(emu_to_dict(emu))  # the validating constructor: the shards tile the V rows exactly
 
 
 def test_kv_heads_fewer_than_tp_are_replicated_like_vllm():
@@ -114,8 +141,9 @@ def test_fused_and_dp_sharded_together_is_rejected():
 
 @pytest.mark.parametrize("dp, tp, pp", [(1, 1, 1), (2, 2, 1), (1, 4, 2), (2, 1, 4), (3, 2, 2)])
 @pytest.mark.parametrize("kwargs", [dict(optimizer=True), dict(optimizer=True, dp_shard=True), dict(fused=True)])
-def test_every_derived_emu_covers_every_tensor_exactly(dp, tp, pp, kwargs):
-    spec = tiny_spec(qkv_bias=True, tie_embeddings=True, dtype="bfloat16")
+@pytest.mark.parametrize("vocab", [64, 9])  # 9 rows over tp=4: 3, 3, 3 and an empty shard
+def test_every_derived_emu_covers_every_tensor_exactly(dp, tp, pp, kwargs, vocab):
+    spec = tiny_spec(qkv_bias=True, tie_embeddings=True, dtype="bfloat16", vocab_size=vocab)
     emus = derive_emus(spec, ParallelConfig.on(dp=dp, tp=tp, pp=pp), model="a", stage="s", **kwargs)
     assert len(emus) == (1 if kwargs.get("dp_shard") else dp)
     for emu in emus:

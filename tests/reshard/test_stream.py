@@ -237,6 +237,41 @@ def test_trainer_transitions_are_exact():
     assert [f for per_rank in results for f in per_rank] == []
 
 
+# Vocabularies no TP degree divides, between tp = 1, 2 and 3 (6 heads and 6 KV heads, so all
+# three fit): 21 rows are 11 + 10 at tp=2 and 7 + 7 + 7 at tp=3; 50 rows 25 + 25 and
+# 17 + 17 + 16; 4 rows at tp=3 are 2 + 2 + an EMPTY shard (rank 2 holds none of it).
+ODD_VOCAB = dict(hidden_size=48, intermediate_size=48, num_heads=6, num_kv_heads=6)
+
+
+def _v(vocab: int, src: dict, dst: dict, src_kw: dict = OPT, dst_kw: dict = OPT, **spec) -> dict:
+    return dict(src=src, dst=dst, src_kw=src_kw, dst_kw=dst_kw, spec=ODD_VOCAB | dict(vocab_size=vocab) | spec)
+
+
+VOCAB_TRANSITIONS = [
+    ("V=21 tp1 -> tp3", _v(21, dict(tp=1), dict(tp=3))),
+    ("V=21 tp3 -> tp2", _v(21, dict(tp=3), dict(tp=2))),
+    ("V=21 tp2 -> tp1", _v(21, dict(tp=2), dict(tp=1))),
+    ("V=21 tp2 -> tp3", _v(21, dict(tp=2), dict(tp=3))),
+    ("V=50 tied bf16 tp3 -> fsdp dp2 x tp2", _v(50, dict(tp=3), dict(dp=2, tp=2), dst_kw=dict(dp_shard=True, optimizer=True),
+                                              tie_embeddings=True, dtype="bfloat16")),
+    ("V=50 fsdp dp2 x tp2 -> tp3 x pp1", _v(50, dict(dp=2, tp=2), dict(tp=3), src_kw=dict(dp_shard=True, optimizer=True))),
+    ("V=4 tp2 -> tp3 (an empty shard)", _v(4, dict(tp=2), dict(tp=3))),
+    ("V=4 tp3 (an empty shard) -> tp1", _v(4, dict(tp=3), dict(tp=1))),
+]
+
+
+@pytest.mark.timeout(180)
+def test_vocab_sharded_tensors_round_trip_between_tp1_tp2_tp3_exactly():
+    """Uneven vocabulary shards (torch.chunk: the last shorter, or empty) move between layouts
+    like any other box: every element of every target compared with the reference."""
+    for _, case in VOCAB_TRANSITIONS:  # the layouts really are uneven, with no padded row
+        for side, kw in (("src", "src_kw"), ("dst", "dst_kw")):
+            (emu, *_) = derived(case[side], stage="s", spec_kw=case["spec"], **case[kw])
+            assert emu.tensor("lm_head.weight" if not case["spec"].get("tie_embeddings") else "model.embed_tokens.weight").shape[0] == case["spec"]["vocab_size"]
+    results = run_distributed(_transitions, WORLD, VOCAB_TRANSITIONS, timeout=150)
+    assert [f for per_rank in results for f in per_rank] == []
+
+
 # ----------------------------------------------------------------------------- dtype casts
 
 

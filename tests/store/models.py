@@ -38,6 +38,24 @@ def qwen2_config(dtype: str = "float32", **overrides) -> dict:
     return llama_config(dtype, architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True, **overrides)
 
 
+def odd_vocabulary_llama(path, *, vocab_size: int = 21, seed: int = 0) -> None:
+    """A Llama saved by transformers itself (``save_pretrained``), with a vocabulary few TP
+    degrees divide: 21 tokens, 6 heads over one KV head (GQA: tp = 2, 3 and 6 fit), hidden 48,
+    2 layers, untied, float32, every weight random (norm weights 1 + N(0, 0.3²), matrices
+    N(0, 1/fan_in)). tp=2 cuts its vocabulary 11 + 10, tp=6 4, 4, 4, 4, 4, 1."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else p.shape[-1] ** -0.5) + (p.dim() == 1))
+    model.save_pretrained(str(path), safe_serialization=True)
+
+
 def random_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     spec = spec_from_hf_config(config)
     gen = torch.Generator().manual_seed(seed)

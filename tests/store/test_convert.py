@@ -20,7 +20,7 @@ from nereus.store.errors import StoreError
 from nereus.store.hf import HFCheckpoint, spec_from_hf_config
 from nereus.store.records import checkpoint_key
 
-from .models import bits, llama_config, qwen2_config, write_hf_model
+from .models import bits, llama_config, odd_vocabulary_llama, qwen2_config, write_hf_model
 
 runner = CliRunner()
 
@@ -54,6 +54,47 @@ def test_hf_to_tp2pp2_to_tp4_to_hf_is_bit_exact(tmp_path, family, dtype):
     assert_same(read_hf(tmp_path / "out"), weights)
     carried = json.loads((tmp_path / "out" / "config.json").read_text())
     assert {k: carried[k] for k in config} == config
+
+
+def _hf_logits(path) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert model.config.vocab_size == 21
+    ids = torch.arange(21).repeat(2, 1)  # every token id, and a second row shifted
+    ids[1] = ids[1].roll(5)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_an_odd_vocabulary_converts_hf_tp2_tp3_hf_with_the_same_logits(tmp_path):
+    """The vocabulary is a property of the layout, never of the checkpoint: HF (V = 21) ->
+    tp=2 -> tp=3 -> HF, and tp=3 -> tp=6 -> HF, give transformers the same logits, every
+    element; each checkpoint holds exactly V rows (no padding), the tp=3 one loads at tp=1,
+    and the exports say vocab_size = 21."""
+    from nereus.store.checkpoint import CheckpointStore
+
+    odd_vocabulary_llama(tmp_path / "hf")
+    want = _hf_logits(tmp_path / "hf")
+    for src, dst, to in (("hf", "n2", "tp=2"), ("n2", "n3", "tp=3"), ("n3", "out", "hf"), ("n3", "n6", "tp=6"), ("n6", "out6", "hf")):
+        result = cli("convert", str(tmp_path / src), str(tmp_path / dst), "--to", to, "--no-progress")
+        assert result.exit_code == 0, (src, to, result.output)
+    for ckpt, tp, rows in (("n2", 2, [11, 10]), ("n3", 3, [7, 7, 7]), ("n6", 6, [4, 4, 4, 4, 4, 1])):
+        (emu,) = CheckpointStore(str(tmp_path / ckpt)).manifest().emus
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            layout = emu.tensor(name)
+            assert emu.config.tp == tp and layout.shape == (21, 48), (ckpt, name)
+            assert [s.lengths[0] for s in sorted(layout.shards, key=lambda s: s.rank)] == rows, (ckpt, name)
+    weights = read_hf(tmp_path / "hf")
+    spec = spec_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    (whole,) = derive_emus(spec, ParallelConfig.on(), model="actor", stage="train")
+    _, out = load_checkpoint(str(tmp_path / "n3"), [whole], 0)  # tp=3 saved, tp=1 loaded: every tensor whole
+    assert_same({k: v for k, v in out["actor"].items()}, weights)
+    for exported in ("out", "out6"):
+        assert json.loads((tmp_path / exported / "config.json").read_text())["vocab_size"] == 21
+        assert_same(read_hf(tmp_path / exported), weights)
+        got = _hf_logits(tmp_path / exported)
+        assert got.shape == (2, 21, 21) and torch.equal(got, want), exported  # every element, bit for bit
 
 
 def test_converted_checkpoint_holds_the_right_boxes(tmp_path):
@@ -193,9 +234,13 @@ def test_hf_tensor_with_wrong_shape(tmp_path):
           "model.layers.2.self_attn.k_proj.bias", "[17]", "model.safetensors", dst=tmp_path / "out")
 
 
-@pytest.mark.parametrize("to, needle", [("tp=3", "tp=3 does not divide num_heads=4"), ("pp=5", "pp=5 is larger than the number of layers")])
-def test_layout_that_does_not_fit(tmp_path, to, needle):
-    write_hf_model(tmp_path / "hf", llama_config())
+@pytest.mark.parametrize("to, needle, vocab", [
+    ("tp=3", "tp=3 does not divide num_heads=4", 64),
+    ("pp=5", "pp=5 is larger than the number of layers", 64),
+    ("tp=4", "tp=4 is larger than vocab_size=3", 3),  # any tp up to V fits the vocabulary; more does not
+])
+def test_layout_that_does_not_fit(tmp_path, to, needle, vocab):
+    write_hf_model(tmp_path / "hf", llama_config(vocab_size=vocab))
     fails(["convert", str(tmp_path / "hf"), str(tmp_path / "n"), "--to", to], needle, dst=tmp_path / "n")
 
 

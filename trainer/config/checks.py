@@ -6,8 +6,9 @@
     plan 'actor.train': dp=2 · tp=2 · pp=1 needs 4 ranks, got 3: (0, 1, 2)
 
 Each model-stage is checked against the world (dp·tp·pp = its rank count, every rank <
-nproc) and against its model's shapes through ``nereus.reshard.derive`` (tp divides
-heads/vocab/intermediate, pp ≤ layers), so a bad plan fails here with the model-stage named
+nproc) and against its model's shapes through ``nereus.reshard.derive`` (tp divides the
+heads and the intermediate size, and is at most the vocabulary, which it need not divide;
+pp ≤ layers), so a bad plan fails here with the model-stage named
 rather than inside the reshard planner. The checks that need another room (the toy task's
 lengths, the rollout engine's rules, the device profile, the memory model) are
 ``trainer/prepare.py``'s ``check_job``, which runs these first.

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus.reshard.derive import plan_layer_ranges, plan_parameters
+from nereus.reshard.derive import plan_layer_ranges, plan_parameters, vocab_shard_rows
 
 from ..config import StageConfig
 
@@ -297,14 +297,18 @@ def stage_layers(layers: int, pp: int, stage: int, recompute: str) -> tuple[int,
 
 @functools.lru_cache(maxsize=8192)
 def local_elements(spec, tp: int, pp: int, dp: int = 1, dp_shard: bool = False) -> tuple[int, ...]:
-    """Elements of weights one rank holds, per pipeline stage (every TP rank holds as many;
-    with ``dp_shard`` the largest FSDP2 chunk). See ``memory.py``'s module docstring."""
+    """Elements of weights one rank holds, per pipeline stage: TP rank 0's, the largest (every
+    TP rank holds as many but of a vocabulary no tp divides, whose first shards hold
+    ceil(V/tp) rows and the last fewer); with ``dp_shard`` the largest FSDP2 chunk. See
+    ``memory.py``'s module docstring."""
     ranges = plan_layer_ranges(spec.num_layers, pp)
     stage_of = {layer: p for p, r in enumerate(ranges) for layer in r}
     out = [0] * pp
     kv_rows = spec.dim_head if tp > spec.num_kv_heads else spec.num_kv_heads * spec.dim_head // tp
     for _name, shape, kind, layer in plan_parameters(spec):
-        if kind in ("col", "vocab") or (kind == "kv" and tp <= spec.num_kv_heads):
+        if kind == "vocab":
+            local = (vocab_shard_rows(shape[0], tp), *shape[1:])
+        elif kind == "col" or (kind == "kv" and tp <= spec.num_kv_heads):
             local = (shape[0] // tp, *shape[1:])
         elif kind == "kv":
             local = (kv_rows, *shape[1:])

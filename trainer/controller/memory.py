@@ -9,8 +9,9 @@ micro-batch or token budget, recompute) and of the sequence length ``seq`` (defa
 model's ``max_seq_len``; the controller passes the coming step's):
 
 - resident: the rank's weights, counted from ``reshard.derive``'s parameter list with its
-  TP rule (``local_elements``: vocab, column and KV rows split over TP — one KV head per
-  rank when tp exceeds the KV heads —, row-parallel columns split, norms replicated; the
+  TP rule (``local_elements``: column and KV rows split over TP — one KV head per
+  rank when tp exceeds the KV heads —, the vocabulary's largest shard ceil(V/t) rows (no tp
+  need divide it: ``docs/vocab.md``), row-parallel columns split, norms replicated; the
   last pipeline stage holds a tied embedding's copy; FSDP2 chunks dim 0 over dp), equal to
   the layouts' local buffers (tested); training stages hold float32 weights, float32
   gradients and AdamW's two float32 moments;
@@ -47,7 +48,8 @@ model's ``max_seq_len``; the controller passes the coming step's):
   (``forward_too``: the actor's old log-probs off-policy, the critic's values without a
   ``critic.infer``) peaks at the larger of that forward's and its update's transient;
 - logits (causal LM, last stage): the model's output keeps the vocabulary sharded over TP
-  (``trainer/parallel/vocab_parallel.py``), ``s·b·V/t`` elements in the compute dtype, plus the
+  (``trainer/parallel/vocab_parallel.py``), ``s·b·ceil(V/t)`` elements (the largest shard's)
+  in the compute dtype, plus the
   float32 copy of a bf16 block, the float32 softmax p, and a divided copy at temperature
   ≠ 1 (packed: and the copy of the response positions' logits the loss gathers); a value
   head's output is [b, s] and counts nothing;
@@ -72,6 +74,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nereus.reshard.derive import vocab_shard_rows
 from nereus.reshard.layout import itemsize
 
 from ..config import ConfigError, JobConfig, StageConfig
@@ -204,7 +207,7 @@ def memory_at(
         per_layer = kept_with_c(("per layer", train), lambda: activation_bytes(spec, tp, args.compute, train=train))
         shared = tokens * (2 * spec.dim_head * size + batching.mask)  # RoPE's cos/sin tables, the bool attention mask (padded rows)
         per_logit = head_bytes + np.where(batching.mask == 0, size, 0)  # a pack's response positions' logits, gathered (a copy)
-        head = np.where(last, tokens * (spec.vocab_size // tp) * per_logit, 0) if spec.head == "lm" else np.zeros(len(which), np.int64)
+        head = np.where(last, tokens * vocab_shard_rows(spec.vocab_size, tp) * per_logit, 0) if spec.head == "lm" else np.zeros(len(which), np.int64)
         if train:
             # in flight: 1F1B keeps up to pp - stage micro-batches; GPipe (fewer micro-batches
             # than stages) runs every forward first, the last stage keeping each one's loss graph
@@ -327,11 +330,12 @@ def weight_workspace(args, tp, weights, *, train: bool, fsdp):
     ``fsdp`` (FSDP2 in effect)."""
     spec, c = args.spec, itemsize(args.compute)
     h, d, t = spec.hidden_size, spec.dim_head, tp
-    largest = max(spec.vocab_size * h, h * spec.intermediate_size) / t * itemsize(spec.dtype)
+    vocab = vocab_shard_rows(spec.vocab_size, t)  # the largest vocabulary shard's rows
+    largest = np.maximum(vocab * h, h * spec.intermediate_size / t) * itemsize(spec.dtype)
     accumulate = largest if train else 0  # autograd adds each new gradient into .grad from a temporary
     replicated = accumulate + (weights * c / itemsize(spec.dtype) if args.compute != spec.dtype else 0.0)
     layer = (h * spec.num_heads * d * 2 + h * spec.num_kv_heads * d * 2 + 3 * h * spec.intermediate_size) / t
-    root = spec.vocab_size * h / t * (2 if spec.head == "lm" and not spec.tie_embeddings else 1) + h
+    root = vocab * h * (2 if spec.head == "lm" and not spec.tie_embeddings else 1) + h
     gathered = (root + 2 * layer) * c
     scatter = c + 4 if c < 4 else 2 * c  # the unsharded gradient, and its float32 (or flat) reduce-scatter input
     sharded = gathered + (np.maximum(root, layer) * scatter if train else 0)

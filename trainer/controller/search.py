@@ -1,7 +1,8 @@
 """The best plans for a job, a world and a workload, under the memory budget (pure).
 
 1. Candidates per model-stage: every (tp, pp, dp, dp_shard) layout that fits the stage's
-   ranks and model — tp and pp powers of two (tp dividing heads, vocabulary and MLP width;
+   ranks and model — tp and pp powers of two (tp dividing heads and MLP width, fitting the KV
+   heads, at most the vocabulary, which it need not divide: ``reshard.derive.check_tp``;
    pp at most the layers; generation pp = 1), dp the rest, dp dividing the rows it splits,
    FSDP only for training — run whole, in micro-batches halving the replica's rows down to
    1/16, or — when the workload's rows are shorter than its width on average, padding to

@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nereus.reshard.derive import vocab_shard_rows
 from nereus.reshard.layout import itemsize
 
 from ..config import JobConfig, StageConfig
@@ -150,7 +151,7 @@ def _gemm_bytes(spec, tp, size: int):
 
 def _head_bytes(spec, tp, compute: str):
     """Bytes per token of the head's outputs (the logits as held, or a value)."""
-    return spec.vocab_size // tp * logits_bytes(compute, 1.0) if spec.head == "lm" else itemsize(compute)
+    return vocab_shard_rows(spec.vocab_size, tp) * logits_bytes(compute, 1.0) if spec.head == "lm" else itemsize(compute)
 
 
 def _layer_params(spec, tp):
@@ -318,7 +319,7 @@ class _Static:
         tp, pp, dp = c.tp, c.pp, c.dp
         layers = -(-spec.num_layers // pp)  # the first pipeline stages hold the extra layer
         hd, t = spec.num_heads * spec.dim_head, tp
-        head = 2 * spec.hidden_size * (spec.vocab_size / t if spec.head == "lm" else 1)
+        head = 2 * spec.hidden_size * (vocab_shard_rows(spec.vocab_size, t) if spec.head == "lm" else 1)  # the largest shard's
         lm = spec.head == "lm"
         replicas = -(-rows // dp)
         # what depends on tp alone, once per layout: a layer's matmul FLOPs per token and attended
@@ -354,7 +355,7 @@ def _gen_features(spec, work: Workload, where: Placement, c: Candidates, links, 
     """Generation's features: a prefill over the prompts, then one token per step (the KV cache)."""
     t, layers = c.tp, -(-spec.num_layers // c.pp)
     h, hd = spec.hidden_size, spec.num_heads * spec.dim_head
-    head = 2 * h * (spec.vocab_size / t if spec.head == "lm" else 1)
+    head = 2 * h * (vocab_shard_rows(spec.vocab_size, t) if spec.head == "lm" else 1)  # the largest shard's
     rows = -(-work.batch // c.dp)
     new = work.response_max
     prefill_tokens = rows * work.prompt
@@ -374,7 +375,8 @@ def _gen_features(spec, work: Workload, where: Placement, c: Candidates, links, 
     # per forward (the prefill, then every step): 2 all-reduces per layer and the embedding's, and
     # the last position's logits gathered over the vocabulary ((t−1)/t of [rows, V] received)
     bandwidth, latency = links.tp
-    per_step = (2 * layers + 1) * _ring(rows * h * size, t) + _ring(rows * spec.vocab_size * size, t) / 2
+    # (uneven shards: DTensor's gather pads each to the largest, ceil(V/t) columns)
+    per_step = (2 * layers + 1) * _ring(rows * h * size, t) + _ring(rows * vocab_shard_rows(spec.vocab_size, t) * t * size, t) / 2
     f["comm_tp"] = ((2 * layers + 1) * _ring(prefill_tokens * h * size, t) + new * per_step) / bandwidth
     f["comm_latency"] = (1 + new) * ((2 * layers + 1) * _hops(t, 2) + _hops(t, 1)) * latency
     zero = np.zeros(len(c))

@@ -18,13 +18,15 @@
   naming the sample.
 
 ``check_inputs(cfg)`` opens everything a dataset job reads (data files, tokenizer, reward
-function) and checks the tokenizer against the model's embedding: ``nereus train`` calls it
+function) and checks the tokenizer against the models' embeddings (``check_vocab_sizes``: as many
+rows as tokens for a model trained from scratch, no padding): ``nereus train`` calls it
 before starting any worker, so bad input is a one-line error, not a failure on N ranks.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +237,39 @@ def _dataset(cfg: JobConfig, files, key: str, tokenizer):
     return load_prompt_dataset(files, cfg.data, tokenizer)
 
 
+def check_vocab_sizes(cfg: JobConfig, tokens: int) -> None:
+    """Each model's embedding against the tokenizer's ``tokens`` ids (a dataset job):
+
+    - fewer rows than tokens: they are not the same model's;
+    - more rows, in a model trained from scratch (its ``vocab_size`` given in the config, not
+      read from a checkpoint's ``config.json``): padding, which no layout needs — a TP shard
+      of the vocabulary is ceil(V/tp) rows of the real V (``docs/vocab.md``), and padded rows
+      would be sampled from. A checkpoint's own ``vocab_size`` above its tokenizer's (Qwen2.5's
+      152,064 rows for 151,665 tokens) is its real V: those rows exist in its weights; a model
+      from scratch beside such an actor (a critic reading its ids) may take the actor's V.
+    """
+    def from_checkpoint(m) -> bool:  # m: a ModelConfig
+        return bool(m.path) and os.path.isfile(os.path.join(m.path, "config.json"))
+
+    tokenizer = cfg.tokenizer.path or cfg.model.path
+    actor = cfg.model.vocab_size if from_checkpoint(cfg.model) else None
+    for key in ("model", "critic", "reward_model"):
+        m = getattr(cfg, key)
+        if m is None or m.vocab_size is None:
+            continue
+        if tokens > m.vocab_size:
+            raise ConfigError(
+                f"the tokenizer ({tokenizer}) has {tokens} tokens, more than the "
+                f"{m.vocab_size} rows of '{key}''s embedding (vocab_size): they are not the same model's"
+            )
+        if m.vocab_size > tokens and not from_checkpoint(m) and m.vocab_size != actor:
+            raise ConfigError(
+                f"config key '{key}.vocab_size'={m.vocab_size} is larger than the {tokens} tokens of the tokenizer "
+                f"({tokenizer}): a model trained from scratch needs no padded rows (any tp shards the real vocabulary); "
+                f"set it to {tokens} or leave it out"
+            )
+
+
 def check_inputs(cfg: JobConfig) -> None:
     """Open what a dataset job reads, before any worker starts (module docstring); raises
     ConfigError (or the data/tokenizer/reward modules' own one-line errors)."""
@@ -243,13 +278,7 @@ def check_inputs(cfg: JobConfig) -> None:
     from .rewards import check_rewards
 
     source = DatasetSource(cfg, scorer=False)
-    for key in ("model", "critic", "reward_model"):
-        m = getattr(cfg, key)
-        if m is not None and m.vocab_size is not None and source.vocab_size > m.vocab_size:
-            raise ConfigError(
-                f"the tokenizer ({cfg.tokenizer.path or cfg.model.path}) has {source.vocab_size} tokens, more than the "
-                f"{m.vocab_size} rows of '{key}''s embedding (vocab_size): they are not the same model's"
-            )
+    check_vocab_sizes(cfg, source.vocab_size)
     if source.rule:
         rows = [*source.train.rows, *(source.val.rows if source.val is not None else ())]
         check_rewards(cfg.reward, sorted({r.data_source for r in rows}))

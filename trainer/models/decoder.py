@@ -345,7 +345,8 @@ class Embedding(nn.Embedding):
     first (a transient copy when the two differ), so that the gradient of a row is summed
     over its tokens in the compute dtype, then cast to the float32 master — what FSDP2's
     mixed precision does with its all-gathered bf16 table, so both layouts give the same
-    update. TP's ``RowwiseParallel`` applies to it as to any ``nn.Embedding``."""
+    update. Under TP ``parallel.parallelize.VocabParallelEmbedding`` replaces its forward (the same
+    cast, on this rank's rows)."""
 
     def __init__(self, num: int, dim: int, *, dtype: torch.dtype, compute: torch.dtype) -> None:
         super().__init__(num, dim, dtype=dtype)

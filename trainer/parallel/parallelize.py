@@ -7,10 +7,13 @@ FSDP2 over dp when ``dp_shard`` -> ``to_empty(device)`` -> load (``load_full``,
 
 The local tensors match ``reshard.derive.derive_emus`` exactly (checked at build time):
 
-- vocab-parallel ``embed_tokens`` / ``lm_head``: rows ``[t V/tp, (t+1) V/tp)`` on TP rank t
-  (``RowwiseParallel(input_layouts=Replicate())`` on an Embedding and ``ColwiseParallel`` on a
-  Linear both shard the weight's dim 0 in equal chunks). Training and inference stages keep
-  the logits sharded too: the model returns this rank's vocabulary columns [.., V/tp] and
+- vocab-parallel ``embed_tokens`` / ``lm_head``: rows ``vocab_range(V, tp, t)`` on TP rank t,
+  ``torch.chunk`` pieces of ceil(V/tp) rows, the last shorter or empty (DTensor ``Shard(0)``,
+  uneven: no padded rows, so nothing to mask; ``docs/vocab.md``). ``ColwiseParallel`` shards
+  the lm head so; the embedding is ``VocabParallelEmbedding`` (Megatron's: look up the local
+  rows, zeros elsewhere, all-reduce), since DTensor's own ``RowwiseParallel`` embedding fails
+  on a rank whose shard is empty. Training and inference stages keep
+  the logits sharded too: the model returns this rank's vocabulary columns [.., V_t] and
   ``trainer.vocab_parallel`` computes log-probs, entropy and losses from them
   (``StagePart.vocab``), so no rank holds full-vocabulary logits. Generation
   (``vocab_parallel=False``) all-gathers its one position's logits, to sample from them;
@@ -51,9 +54,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -62,7 +66,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus, plan_layer_ranges
+from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus, plan_layer_ranges, vocab_range
 from nereus.reshard.errors import LayoutError, ProcessGroupError
 from nereus.reshard.layout import DTYPES, ParallelConfig, TensorLayout, box_view, local_buffers
 
@@ -152,6 +156,56 @@ class ReplicatedKVHead(ParallelStyle):
         return module
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) forward over ``group``, identity backward (Megatron's "g"): the
+    upstream gradient is already the same on every rank of the group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)  # the input stays as autograd saw it
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """An Embedding whose rows are split over the TP mesh in ``torch.chunk`` pieces (a
+    ``Shard(0)`` DTensor weight, as derive lays it out: ``vocab_range``, the last pieces
+    shorter or empty), looked up as Megatron's VocabParallelEmbedding: ids in this rank's
+    range read its rows, the others give zeros, and the TP group sums (each id is in exactly
+    one range, so the sum is that row exactly). Forward all-reduce, identity backward; the
+    weight's gradient is the local rows' own (``Shard(0)``). The lookup runs in the module's
+    ``compute`` dtype when it has one (``models.decoder.Embedding``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"VocabParallelEmbedding applies to nn.Embedding, got {type(module).__name__}")
+        w = module.weight
+        module.weight = nn.Parameter(distribute_tensor(w, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                                     requires_grad=w.requires_grad)
+        start, _ = vocab_range(module.num_embeddings, device_mesh.size(), device_mesh.get_local_rank())
+        group = device_mesh.get_group()
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            weight = module.weight
+            weight = weight.to_local() if isinstance(weight, DTensor) else weight
+            weight = weight.to(getattr(module, "compute", weight.dtype))
+            rows = weight.shape[0]
+            if rows == 0:  # an empty shard: no id is here
+                out = weight.new_zeros(*ids.shape, weight.shape[1])
+            else:
+                local = ids - start
+                outside = (local < 0) | (local >= rows)
+                out = F.embedding(local.clamp(0, rows - 1), weight).masked_fill(outside[..., None], 0.0)
+            return _SumOverGroup.apply(out, group)
+
+        module.forward = forward
+        return module
+
+
 class GatherOutput(ParallelStyle):
     """Turn a DTensor module output into the full plain tensor (differentiable all-gather),
     or with ``local=True`` into this rank's shard of it; plain outputs pass through. Used on
@@ -179,7 +233,7 @@ def plan_tp(spec: DecoderSpec, tp: int, *, vocab_parallel: bool = True) -> dict[
     check_tp(spec, tp)
     kv = ColwiseParallel() if spec.num_kv_heads % tp == 0 else ReplicatedKVHead(spec.dim_head)
     plan: dict[str, ParallelStyle] = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "model.embed_tokens": VocabParallelEmbedding(),
         "model.layers.*.self_attn.q_proj": ColwiseParallel(),
         "model.layers.*.self_attn.k_proj": kv,
         "model.layers.*.self_attn.v_proj": kv,
@@ -256,7 +310,7 @@ class StagePart:
         spec = self.args.spec
         if not self.vocab_parallel or self.config.tp == 1 or spec.head != "lm":
             return VocabShard()
-        return VocabShard(start=self.groups.tp_index * spec.vocab_size // self.config.tp, group=self.groups.tp)
+        return VocabShard(start=vocab_range(spec.vocab_size, self.config.tp, self.groups.tp_index)[0], group=self.groups.tp)
 
     def layouts(self) -> list[TensorLayout]:
         """derive's parameter layouts of the EMU this rank belongs to."""

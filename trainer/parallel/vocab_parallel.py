@@ -1,9 +1,10 @@
 """Log-probabilities and entropy from vocabulary-sharded logits (no rank holds all of V).
 
 Under TP the output projection is column-parallel: TP rank t holds the logits of the
-vocabulary rows [s_t, s_t + V_t) (s_t = t·V/tp). For each position with logits z over the
-whole vocabulary and a target token a (Megatron's vocab-parallel cross entropy, with the
-entropy added):
+vocabulary rows [s_t, s_t + V_t) — ``torch.chunk`` pieces of ceil(V/tp) rows
+(``reshard.derive.vocab_range``): the last shards may be shorter, or empty (V_t = 0). For
+each position with logits z over the whole vocabulary and a target token a (Megatron's
+vocab-parallel cross entropy, with the entropy added):
 
     M       = max_v z_v                          all-reduce MAX over the TP group
     S       = Σ_v exp(z_v − M)                    all-reduce SUM  ┐
@@ -12,14 +13,23 @@ entropy added):
     log π(a) = z_a − M − log S
     H        = M + log S − E / S                  (= logsumexp z − Σ p z)
 
+Uneven shards change nothing in these formulas: each rank reduces over its own columns,
+whatever their number, and the collectives combine the partial results. An empty shard
+contributes each reduction's identity — −inf to the MAX, 0 to the SUMs, and 0 as its
+target logit, since no target falls in an empty range — so M, S, z_a and E are the same
+as with every column on one rank, up to the order of the floating-point sums (exactly the
+whole vocabulary's values where one rank holds all of it). Exactly one rank holds each
+target (the ranges tile [0, V)). There are no padded columns, so nothing is masked.
+
 Gradients, with p_v = exp(z_v − M) / S (each rank its own columns; the upstream
 gradients are the same on every TP rank, because the loss after these all-reduces is):
 
     ∂ log π(a) / ∂z_v = [v = a] − p_v
     ∂ H / ∂z_v        = −p_v (z_v − E / S)
 
-Memory per call: the float32 logits block and p, both [..., V_t]: what ``trainer/controller/memory.py``
-counts. With ``group=None`` the whole vocabulary is local and no collective runs.
+(an empty shard's gradient is empty). Memory per call: the float32 logits block and p,
+both [..., V_t]: what ``trainer/controller/memory.py`` counts, at the largest V_t. With
+``group=None`` the whole vocabulary is local and no collective runs.
 """
 
 from __future__ import annotations
@@ -44,14 +54,16 @@ class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: Tensor, targets: Tensor, start: int, group, with_entropy: bool):  # noqa: ANN001
         local = z.shape[-1]
-        m = z.detach().amax(-1)
+        # an empty shard (possible only when V ≤ (tp − 1)²: 5 rows over 4 ranks) holds MAX's identity
+        m = z.detach().amax(-1) if local else torch.full(z.shape[:-1], float("-inf"), dtype=z.dtype, device=z.device)
         if group is not None:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         p = torch.sub(z.detach(), m[..., None]).exp_()  # one [.., V_t] block, exponentiated in place
         index = targets - start
         inside = (index >= 0) & (index < local)
-        index = index.clamp(0, local - 1)
-        picked = torch.where(inside, z.detach().gather(-1, index[..., None]).squeeze(-1), torch.zeros((), dtype=z.dtype, device=z.device))
+        index = index.clamp(0, max(local - 1, 0))
+        zero = torch.zeros((), dtype=z.dtype, device=z.device)
+        picked = torch.where(inside, z.detach().gather(-1, index[..., None]).squeeze(-1), zero) if local else zero.expand(targets.shape)
         parts = [p.sum(-1), picked] + ([(p * z.detach()).sum(-1)] if with_entropy else [])
         sums = torch.stack(parts)
         if group is not None:
@@ -70,13 +82,14 @@ class _TokenLogProbs(torch.autograd.Function):
         # grad = −p · (g_logp + g_H (z − E/S)) + [v = a] g_logp, written into p's own block
         # (backward runs once per graph), so the softmax is the only [.., V_t] block held
         p, index, inside, z, ez = ctx.saved_tensors
-        g_logp = torch.zeros_like(ez if ez is not None else p[..., 0]) if g_logp is None else g_logp
+        g_logp = p.new_zeros(p.shape[:-1]) if g_logp is None else g_logp
         if g_entropy is not None and z is not None:
             coef = z.detach().sub(ez[..., None]).mul_(g_entropy[..., None]).add_(g_logp[..., None])
             grad = p.mul_(coef).neg_()
         else:
             grad = p.mul_(g_logp[..., None]).neg_()
-        grad.scatter_add_(-1, index[..., None], torch.where(inside, g_logp, torch.zeros_like(g_logp))[..., None])
+        if grad.shape[-1]:  # an empty shard holds no target
+            grad.scatter_add_(-1, index[..., None], torch.where(inside, g_logp, torch.zeros_like(g_logp))[..., None])
         return grad, None, None, None, None
 
 

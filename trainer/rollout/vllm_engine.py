@@ -13,19 +13,8 @@ gives reshard this rank's live vLLM parameter tensors keyed by the buffer names 
 rollout layout (``vllm_emus``), so ``reshard.execute`` writes the trained weights straight into
 them: no full gather, no HF state dict, no ``load_weights``.
 
-vLLM's parameters on TP rank t of tp (Llama/Qwen2; h hidden, d head_dim, H heads, K KV heads,
-I intermediate, V vocab), as ``vllm_param_names`` lists them:
-
-- ``model.embed_tokens.weight``, ``lm_head.weight`` [Vp/tp, h], Vp = V rounded up to a multiple
-  of 64 (``DEFAULT_VOCAB_PADDING_SIZE`` of vLLM's ``VocabParallelEmbedding``/``ParallelLMHead``):
-  rank t's leading rows hold token ids [t·Vp/tp, (t+1)·Vp/tp) ∩ [0, V), padding follows, and a
-  rank may hold padding only (``vocab_rows``). Reshard writes the real rows through a view;
-  vLLM drops the padded logits before sampling and never looks padded ids up.
-- ``self_attn.qkv_proj.weight`` [(H/tp + 2k)·d, h] = [q_t; k_t; v_t], k = max(K/tp, 1); with
-  K < tp, KV head t // (tp/K) is replicated. ``qkv_proj.bias`` alike (Qwen2).
-- ``self_attn.o_proj.weight`` [h, H·d/tp], ``mlp.down_proj.weight`` [h, I/tp]: row-parallel.
-- ``mlp.gate_up_proj.weight`` [2I/tp, h] = [gate_t; up_t]; norms [h], replicated.
-- Tied embeddings: no ``lm_head`` parameter (vLLM shares the embedding module).
+vLLM's parameters on each TP rank (names, shapes, the vocabulary padding vLLM adds and
+fills itself) are ``vllm_layout.py``'s: the pure layout rules, which this module re-exports.
 
 Log-probabilities: the LLM runs with ``logprobs_mode="processed_logprobs"`` and each request asks
 ``logprobs=0`` (the sampled token only): log_softmax of the logits after temperature and
@@ -79,30 +68,37 @@ engine core does not spawn). vLLM tears its groups down at exit; ``close()`` doe
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 import weakref
-import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-
-from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus
+from nereus.reshard.derive import DecoderSpec
 from nereus.reshard.errors import LayoutError
-from nereus.reshard.layout import DTYPES, EMU, Dims, ParallelConfig, Shard, TensorLayout
+from nereus.reshard.layout import DTYPES, ParallelConfig
 
-from .generator import Rollout, left_pad
 from ..models.decoder import ModelArgs
 from ..seeds import row_seed
+from .generator import Rollout, left_pad
+from .vllm_layout import (  # the layout rules, re-exported: callers import them from here too
+    VOCAB,
+    VOCAB_PADDING,  # noqa: F401
+    check_vllm_plan,
+    nereus_buffers,
+    padded_vocab,  # noqa: F401
+    vllm_emus,  # noqa: F401
+    vllm_hf_config,
+    vllm_param_names,
+    vocab_rows,
+)
 
-VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
-VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 MIN_VLLM = (0, 10, 2)
 INSTALL_HINT = (
     "the vllm engine needs `pip install nereus[vllm]` (vLLM >= 0.10.2, on a CUDA build of torch), "
@@ -149,134 +145,6 @@ def vllm_missing() -> str | None:
     if _version(found) < MIN_VLLM:
         return f"{INSTALL_HINT}; found vllm {found}"
     return None
-
-
-# ------------------------------------------------------------------ the layout (pure)
-
-
-def padded_vocab(vocab_size: int) -> int:
-    """vLLM's padded vocabulary: ``vocab_size`` rounded up to a multiple of 64."""
-    return -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
-
-
-def _vocab_per_rank(spec: DecoderSpec, tp: int) -> int:
-    vp = padded_vocab(spec.vocab_size)
-    if vp % tp:
-        raise LayoutError(
-            f"vLLM pads vocab_size={spec.vocab_size} to {vp} (a multiple of {VOCAB_PADDING}), which tp={tp} does not divide"
-        )
-    return vp // tp
-
-
-def vocab_rows(spec: DecoderSpec, tp: int, tp_rank: int) -> tuple[int, int]:
-    """Token ids [start, stop) in the leading rows of TP rank ``tp_rank``'s vocab-parallel
-    parameters; start == stop when the rank holds padding only."""
-    per = _vocab_per_rank(spec, tp)
-    v = spec.vocab_size
-    return min(tp_rank * per, v), min((tp_rank + 1) * per, v)
-
-
-def vllm_param_names(spec: DecoderSpec, tp: int) -> dict[str, tuple[str, Dims]]:
-    """Nereus fused-layout buffer name -> (vLLM parameter name, its shape on every TP rank).
-
-    The names coincide today (vLLM keeps HF's module paths, fusing q/k/v and gate/up); the map
-    is the one place to change if vLLM renames. Raises LayoutError for what vLLM cannot hold.
-    """
-    if spec.head != "lm":
-        raise LayoutError("the vllm engine samples from an lm head, not a value head")
-    check_tp(spec, tp)
-    h, d, inter = spec.hidden_size, spec.dim_head, spec.intermediate_size
-    q, kv = spec.num_heads * d // tp, max(spec.num_kv_heads // tp, 1) * d
-    vocab = (_vocab_per_rank(spec, tp), h)
-    shapes: dict[str, Dims] = {"model.embed_tokens.weight": vocab}
-    for layer in range(spec.num_layers):
-        p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
-        if spec.qkv_bias:
-            shapes[p + "self_attn.qkv_proj.bias"] = (q + 2 * kv,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter // tp, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter // tp)
-    shapes["model.norm.weight"] = (h,)
-    if not spec.tie_embeddings:
-        shapes["lm_head.weight"] = vocab
-    return {name: (name, shape) for name, shape in shapes.items()}
-
-
-def check_vllm_plan(spec: DecoderSpec, config: ParallelConfig, world_size: int) -> None:
-    """Raise LayoutError unless vLLM can run ``actor.gen`` under ``config`` in this world."""
-    if config.pp != 1:
-        raise LayoutError(f"the vllm engine runs actor.gen with pp=1, got pp={config.pp}")
-    if config.ranks != tuple(range(world_size)):
-        raise LayoutError(
-            f"the vllm engine needs actor.gen on every rank in order (0..{world_size - 1}), got {config.ranks}: "
-            "vLLM builds its TP groups from consecutive ranks of the whole world"
-        )
-    vllm_param_names(spec, config.tp)
-
-
-def vllm_emus(spec: DecoderSpec, config: ParallelConfig, *, model: str = "actor", stage: str = "gen", version: int = 0) -> list[EMU]:
-    """The EMUs of vLLM's rollout layout: ``derive_emus(..., fused=True)`` with the vocab-parallel
-    tensors cut where vLLM's padded vocabulary puts them (``vocab_rows``)."""
-    if config.pp != 1:
-        raise LayoutError(f"the vllm engine runs actor.gen with pp=1, got pp={config.pp}")
-    vllm_param_names(spec, config.tp)
-    out = []
-    for emu in derive_emus(spec, config, model=model, stage=stage, fused=True, version=version):
-        tensors = tuple(_vocab_layout(t, spec, config, emu.replica) if t.name in VOCAB else t for t in emu.tensors)
-        fields = {f.name: getattr(emu, f.name) for f in dataclasses.fields(EMU) if f.init and f.name != "_index"}
-        out.append(EMU(**{**fields, "tensors": tensors}))  # the validating constructor checks coverage
-    return out
-
-
-def _vocab_layout(layout: TensorLayout, spec: DecoderSpec, config: ParallelConfig, replica: int) -> TensorLayout:
-    shards = []
-    for t in range(config.tp):
-        start, stop = vocab_rows(spec, config.tp, t)
-        if stop > start:
-            shards.append(Shard(rank=config.rank(dp=replica, tp=t), offsets=(start, 0), lengths=(stop - start, spec.hidden_size)))
-    return TensorLayout(name=layout.name, shape=layout.shape, dtype=layout.dtype, shards=tuple(shards))
-
-
-def nereus_buffers(params: Mapping[str, torch.Tensor], spec: DecoderSpec, tp: int, tp_rank: int) -> dict[str, torch.Tensor]:
-    """Reshard target buffers of TP rank ``tp_rank``: views of vLLM's parameters ``params``
-    (``named_parameters()`` of its model), keyed like ``local_buffers`` of ``vllm_emus``.
-
-    Checks names, shapes and dtypes first: a LayoutError names what differs (another vLLM
-    version's layout, or a model whose config is not the spec's).
-    """
-    expected = vllm_param_names(spec, tp)
-    wanted = {vname for vname, _ in expected.values()}
-    missing, extra = sorted(wanted - set(params)), sorted(set(params) - wanted)
-    if missing or extra:
-        raise LayoutError(
-            f"vLLM's model is not the layout Nereus writes: missing {missing[:4]}, unexpected {extra[:4]} "
-            f"({len(missing)} and {len(extra)} in all)"
-        )
-    dtype = DTYPES[spec.dtype]
-    start, stop = vocab_rows(spec, tp, tp_rank)
-    out = {}
-    for name, (vname, shape) in expected.items():
-        p = params[vname]
-        p = p.data if isinstance(p, torch.nn.Parameter) else p
-        if tuple(p.shape) != shape or p.dtype != dtype:
-            raise LayoutError(f"vLLM parameter {vname!r} is {list(p.shape)} {p.dtype}, Nereus expects {list(shape)} {dtype}")
-        if name in VOCAB:
-            if stop == start:
-                continue  # this rank holds padding only
-            p = p[: stop - start]
-        out[name] = p
-    return out
-
-
-def vllm_hf_config(args: ModelArgs) -> dict:
-    """A ``config.json`` vLLM builds the model from (Qwen2 when q/k/v have biases, else Llama:
-    vLLM's Llama puts ``attention_bias`` on o_proj too, which Nereus models do not have)."""
-    if args.spec.head != "lm":
-        raise LayoutError("the vllm engine samples from an lm head, not a value head")
-    return dataclasses.replace(args, model_type="qwen2" if args.spec.qkv_bias else "llama").to_hf_config()
 
 
 def rollout_from_tokens(
@@ -520,7 +388,7 @@ class VLLMEngine:
         t = time.perf_counter()
         v = self.spec.vocab_size
         weights = [(name, tensor[:v] if name in VOCAB else tensor) for name, tensor in self._staging.items()]
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights), is_checkpoint_format=True))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
         if self.spec.tie_embeddings:
             self.llm.apply_model(_repack_tied_head)
         self.reload_seconds = time.perf_counter() - t

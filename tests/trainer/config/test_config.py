@@ -177,6 +177,11 @@ def test_plan_must_fit_the_model() -> None:
         tiny("plan.critic.train={pp: 4}")
     with pytest.raises(ConfigError, match=r"does not fit 'critic': tp=4 does not divide num_heads=2"):
         tiny("critic={num_heads: 2, num_kv_heads: 1}", "plan.critic.infer={tp: 4}")
+    # no tp needs to divide the vocabulary (tp=2 of 17 tokens: 9 + 8 rows), but tp may not exceed it
+    assert tiny("model.vocab_size=17", "plan.actor.train={dp: 2, tp: 2}").model.vocab_size == 17
+    four = [f"plan.{s}.ranks=[0, 1, 2, 3]" for s in ("actor.train", "critic.train", "critic.infer", "ref.infer")]
+    with pytest.raises(ConfigError, match=r"^\S+: plan 'actor.gen' \(tp=32, pp=1\) does not fit 'model': tp=32 is larger than vocab_size=16"):
+        tiny("nproc=32", "model={hidden_size: 64, intermediate_size: 64, num_heads: 32, num_kv_heads: 32}", "plan.actor.gen={tp: 32}", *four)
     qwen = CONFIGS / "qwen2_5_7b_ppo.yaml"
     with pytest.raises(ConfigError, match=r"plan 'actor.gen' \(tp=8, pp=1\) does not fit 'model': tp=8 does not divide num_heads=28"):
         load_config(qwen, ["plan.actor.gen.tp=8", "plan.actor.gen.dp=8"])

@@ -123,3 +123,45 @@ def test_nereus_report_leaves_out_damaged_records_and_names_them(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "config.json is not a job config" in result.output and "Traceback" not in result.output
+
+
+# GPT-2-shaped (a Llama of GPT-2 small's sizes): 50,257 tokens, which no tp > 1 divides.
+GPT2 = ["model.vocab_size=50257", "model.hidden_size=768", "model.intermediate_size=3072", "model.num_layers=12",
+        "model.num_heads=12", "model.num_kv_heads=12", "nproc=8"]
+
+
+def gpt2(tp: int, vocab: int = 50257) -> list[str]:
+    dp = 8 // tp
+    stages = {"actor.train": "", "actor.gen": ", fused: true", "critic.train": "", "critic.infer": "", "ref.infer": ""}
+    return [*GPT2, f"model.vocab_size={vocab}", *(f"plan.{s}={{dp: {dp}, tp: {tp}{extra}}}" for s, extra in stages.items())]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_nereus_plan_prices_a_gpt2_vocabulary_no_tp_divides(tp):
+    """`nereus plan` takes tp=2 and tp=4 for 50,257 tokens (refused before: neither divides them)
+    and prices the largest vocabulary shard, ceil(V/tp) rows: as for the vocabulary rounded up to
+    a multiple of tp, more than for the one rounded down."""
+    from nereus.trainer.controller.memory import plan_memory
+    from nereus.trainer.prepare import run_search
+
+    args = [a for s in gpt2(tp) for a in ("--set", s)]
+    result = runner.invoke(app, ["plan", "llama3_8b_ppo", *args, "--json", "--top", "2"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["config_plan_skipped"] is None and out["config_plan"]["step_seconds"] > 0  # the config's own tp is priced
+    assert out["plans"] and all(p["step_seconds"] > 0 for p in out["plans"])
+    rows = -(-50257 // tp)  # 25129 at tp=2, 12565 at tp=4
+    up, down = rows * tp, (rows - 1) * tp  # vocabularies tp divides, one shard row more or less
+    seconds, train = {}, {}
+    for vocab in (up, down, 50257):  # the job's own last: its search candidates below
+        cfg, _, current, _ = run_search(os.path.join(ROOT, "configs", "llama3_8b_ppo.yaml"), gpt2(tp, vocab), top=1)
+        seconds[vocab] = current["actor.train"]
+        held = {s.stage: s for s in plan_memory(cfg)[0]}["actor.train"]
+        train[vocab] = (held.resident, held.transient)
+    from nereus.trainer.controller.search import stage_candidates
+    from nereus.trainer.controller.workload import Workload
+
+    layouts = stage_candidates(cfg, "actor.train", tuple(range(8)), Workload.from_config(cfg)).layouts
+    assert {sc.tp for sc in layouts} == {1, 2, 4}  # the search's too: every power of two dividing the 12 heads
+    assert seconds[50257] == seconds[up] > seconds[down]
+    assert train[50257] == train[up] and train[50257][0] > train[down][0] and train[50257][1] > train[down][1]

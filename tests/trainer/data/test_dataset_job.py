@@ -180,6 +180,9 @@ def _bad(made, tmp_path, name):
         "unknown data source": (["reward.function=null"], ["nereus/repeat", "reward.function"]),
         "no tokenizer": ([f"tokenizer.path={tmp_path / 'tok'}"], ["tok"]),
         "tokenizer vs embedding": (["model.path=null", f"tokenizer.path={made['model']}", "model.vocab_size=8"], ["16 tokens", "8", "vocab_size"]),
+        # a model from scratch whose embedding pads the tokenizer's 16 ids to 64 rows
+        "padded vocabulary": (["model.path=null", f"tokenizer.path={made['model']}", "model.vocab_size=64"],
+                              ["'model.vocab_size'=64", "16 tokens", made["model"]]),
         "task and data": (["task.name=repeat"], ["both 'task'", "'data'"]),
         "validation without val": (["data.val_files=[]"], ["validation.every", "data.val_files"]),
     }
@@ -187,7 +190,8 @@ def _bad(made, tmp_path, name):
 
 
 BAD = ["missing file", "unknown format", "missing key", "prompt too long", "no reward file", "no reward function",
-       "unknown data source", "no tokenizer", "tokenizer vs embedding", "task and data", "validation without val"]
+       "unknown data source", "no tokenizer", "tokenizer vs embedding", "padded vocabulary", "task and data",
+       "validation without val"]
 
 
 @pytest.mark.parametrize("name", BAD)
@@ -200,6 +204,24 @@ def test_bad_dataset_input_is_a_one_line_error_before_any_worker(made, tmp_path,
     for word in words:
         assert word in result.output, (word, result.output)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before any worker started
+
+
+def test_a_checkpoints_own_vocabulary_may_exceed_its_tokenizers(made, tmp_path):
+    """Qwen2.5's config.json says 152,064 rows for 151,665 tokens: the checkpoint's real V (the
+    rows exist in its weights), never refused; the same excess given for a model trained from
+    scratch is padding, one line naming the key and both sizes."""
+    from nereus.trainer.data.prompts import check_vocab_sizes
+
+    cfg = load_config(TINY_TEXT, [f"model.path={made['model']}", f"run_dir={tmp_path}"])  # V = 16 from its config.json
+    check_vocab_sizes(cfg, 12)  # a tokenizer of 12 ids beside a 16-row checkpoint: its own V
+    critic = "critic={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1}"
+    ppo = load_config(TINY_TEXT, [f"model.path={made['model']}", f"run_dir={tmp_path}", "algorithm=ppo", critic,
+                                  "plan.critic.train={dp: 4}", "validation.every=0"])
+    check_vocab_sizes(ppo, 12)  # a critic from scratch takes the actor's V: it reads the actor's ids
+    scratch = load_config(TINY_TEXT, ["model.path=null", f"tokenizer.path={made['model']}", f"run_dir={tmp_path}"])
+    check_vocab_sizes(scratch, 16)
+    with pytest.raises(ConfigError, match=r"^config key 'model.vocab_size'=16 is larger than the 12 tokens of the tokenizer \("):
+        check_vocab_sizes(scratch, 12)
 
 
 def test_padded_rows_of_a_replica_with_shorter_prompts_line_up():

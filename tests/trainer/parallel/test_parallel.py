@@ -8,6 +8,8 @@ reference values into ``stage_buffers`` and compares the forward with a full mod
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from nereus.trainer.models.decoder import ModelArgs, build_model, init_weights
 from nereus.trainer.parallel.groups import plan_groups, stage_groups
 from nereus.trainer.parallel.parallelize import (
     ReplicatedKVHead,
+    VocabParallelEmbedding,
     build_stage,
     init_stage,
     optimizer_buffers,
@@ -51,14 +54,18 @@ VALUE = ModelArgs(
         vocab_size=30, hidden_size=12, intermediate_size=18, num_layers=2, num_heads=2, num_kv_heads=1, head="value"
     ),
 )
-MODELS = {"llama": LLAMA, "qwen": QWEN, "value": VALUE}
+# Vocabularies no TP degree here divides: 21 rows (tp=2: 11 + 10; tp=4: 6, 6, 6, 3), and a
+# tied 5-row one whose tp=4 shards are 2, 2, 1 and EMPTY (rank 3 holds no vocabulary row).
+ODD = ModelArgs(spec=dataclasses.replace(LLAMA.spec, vocab_size=21), model_type="llama")
+TINY_VOCAB = ModelArgs(spec=dataclasses.replace(QWEN.spec, vocab_size=5), model_type="qwen2")
+MODELS = {"llama": LLAMA, "qwen": QWEN, "value": VALUE, "odd": ODD, "tiny_vocab": TINY_VOCAB}
 B, T, SEED = 8, 6, 0
 LR, EPS = 1e-3, 1e-6  # eps >> float noise on gradients that are 0 in exact arithmetic (k bias)
 
 
-def make_batch() -> dict[str, torch.Tensor]:
+def make_batch(vocab: int = 30) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, 30, (B, T), generator=g)
+    ids = torch.randint(0, 30, (B, T), generator=g) % vocab
     mask = torch.ones(B, T, dtype=torch.bool)
     for row, pad in enumerate([0, 2, 1, 0, 3, 0, 1, 2]):
         mask[row, :pad] = False
@@ -74,6 +81,12 @@ def token_loss(norm: float, vocab: VocabShard = VocabShard()):
         return -(next_token_logprobs(vocab)(logits, mb) * pairs).sum() / norm
 
     return loss_fn
+
+
+def chunk_sizes(vocab: int, tp: int) -> list[int]:
+    """Rows per TP rank of a vocab-parallel tensor: ``torch.chunk``'s pieces, empty ones last."""
+    pieces = [len(c) for c in torch.arange(vocab).chunk(tp)]
+    return pieces + [0] * (tp - len(pieces))
 
 
 def pair_count(batch) -> int:
@@ -119,6 +132,9 @@ def test_plan_tp_styles():
     assert "lm_head" not in plan_tp(VALUE.spec, 2)
     with pytest.raises(LayoutError, match="tp=3"):
         plan_tp(LLAMA.spec, 3)
+    assert isinstance(plan_tp(ODD.spec, 4)["model.embed_tokens"], VocabParallelEmbedding)  # 21 rows over 4 ranks
+    with pytest.raises(LayoutError, match="tp=4 is larger than vocab_size=3"):
+        plan_tp(dataclasses.replace(LLAMA.spec, vocab_size=3), 4)
 
 
 # ------------------------------------------------------------------------ training equivalence
@@ -133,6 +149,10 @@ TRAIN_CASES = [
     ("qwen", dict(tp=2, dp=2), True, 2),
     ("qwen", dict(tp=2, pp=2), False, 4),
     ("qwen", dict(pp=2, dp=2), False, 1),
+    ("odd", dict(tp=4), False, 1),
+    ("odd", dict(tp=2, dp=2), True, 2),
+    ("tiny_vocab", dict(tp=4), False, 1),
+    ("tiny_vocab", dict(tp=2, pp=2), False, 2),
 ]
 
 
@@ -156,7 +176,7 @@ def _boxes(part, tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple, tup
 
 def _train_case(rank: int, m: str, c: ParallelConfig, dp_shard: bool, n: int) -> dict:
     """One step of one config on this rank: what the parent compares with one process."""
-    batch = make_batch()
+    batch = make_batch(MODELS[m].spec.vocab_size)
     part = build_stage(MODELS[m], c, rank, dp_shard=dp_shard)
     init_stage(part, SEED)
     views = stage_buffers(part)
@@ -183,7 +203,7 @@ def _train_case(rank: int, m: str, c: ParallelConfig, dp_shard: bool, n: int) ->
     adam_steps = {float(state[f"optim/step/{k}"]) for k in local_grads}
     return dict(
         dp=part.groups.dp_index, rows=rows.numpy(), loss=loss.item(), grads=grads, params=_boxes(part, after),
-        logp=logp.numpy(), logits=logits.numpy(), vocab=part.vocab.start, live=live, adam=adam, adam_steps=adam_steps,
+        logp=logp.numpy(), logits=logits.numpy(), vocab=part.vocab.start, tp=part.groups.tp_index, live=live, adam=adam, adam_steps=adam_steps,
         accumulated=accumulated,
     )
 
@@ -198,7 +218,7 @@ def _train_worker(rank: int, world: int) -> list:
 def _reference(args: ModelArgs):
     model = build_model(args, "cpu")
     init_weights(model, SEED)
-    batch = make_batch()
+    batch = make_batch(args.spec.vocab_size)
     with torch.no_grad():
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
     loss = token_loss(pair_count(batch))(model(batch["input_ids"], attention_mask=batch["attention_mask"]), batch)
@@ -239,8 +259,10 @@ def test_parallel_training_matches_single_process():
             rows = torch.from_numpy(r["rows"])
             assert (torch.from_numpy(r["logp"]) - ref["logp"][rows]).abs().max() < 1e-5, where
             logits = torch.from_numpy(r["logits"])  # vocabulary-parallel: this rank's columns only
-            assert logits.shape[-1] == MODELS[m].spec.vocab_size // _config(kw).tp, where
-            assert (logits - ref["logits"][rows][..., r["vocab"] : r["vocab"] + logits.shape[-1]]).abs().max() < 1e-5, where
+            sizes = chunk_sizes(MODELS[m].spec.vocab_size, _config(kw).tp)
+            assert (logits.shape[-1], r["vocab"]) == (sizes[r["tp"]], sum(sizes[: r["tp"]])), where
+            want = ref["logits"][rows][..., r["vocab"] : r["vocab"] + logits.shape[-1]]
+            torch.testing.assert_close(logits, want, rtol=0, atol=1e-5, msg=where)  # (an empty shard: empty logits)
         assert names == set(ref["grads"]), where  # every parameter was compared
         assert abs(sum(losses.values()) - ref["loss"]) < 1e-5, (where, losses, ref["loss"])  # replicas' shares add up
 
@@ -260,17 +282,23 @@ LAYOUT_CASES = [
     ("value", dict(dp=4), True),
     ("value", dict(tp=2, dp=2), True),
     ("value", dict(tp=2, pp=2), False),
+    ("odd", dict(tp=4), False),
+    ("odd", dict(tp=2, dp=2), True),
+    ("tiny_vocab", dict(tp=4), False),
 ]
 
 
+UNEVEN_GATHER = ("odd", "tiny_vocab")  # also built as generation builds them (the logits gathered over TP)
+
+
 def _layout_worker(rank: int, world: int) -> list:
-    batch = make_batch()
     out = []
     if rank < 2:  # a config over part of the world, its groups not created by every rank
         with pytest.raises(ProcessGroupError, match="stage_groups"):
             build_stage(LLAMA, ParallelConfig(tp=2, ranks=(1, 0)), rank)
     for m, kw, dp_shard in LAYOUT_CASES:
         args, c = MODELS[m], _config(kw)
+        batch = make_batch(args.spec.vocab_size)
         part = build_stage(args, c, rank, dp_shard=dp_shard)
         emus = derive_emus(args.spec, c, model=m, stage="train", optimizer=True, dp_shard=dp_shard)
         emu = emus[0 if dp_shard else part.groups.dp_index]
@@ -285,8 +313,14 @@ def _layout_worker(rank: int, world: int) -> list:
         rows = torch.tensor_split(torch.arange(B), c.dp)[part.groups.dp_index]
         y = forward(part, {k: v[rows] for k, v in batch.items()})  # an LM's: its vocabulary columns
         live = all(stage_buffers(part)[k].data_ptr() == v.data_ptr() for k, v in bufs.items())
+        gathered = None
+        if m in UNEVEN_GATHER and not dp_shard:  # generation's layout: every rank gets all V columns
+            gen = build_stage(args, c, rank, vocab_parallel=False)
+            fill_reference(stage_buffers(gen), params, rank)
+            gathered = forward(gen, {k: v[rows] for k, v in batch.items()}).numpy()
         out.append(dict(
             want=want, have=have, optim=optim, want_optim=want_optim, rows=rows.numpy(), y=y.numpy(), live=live, vocab=part.vocab.start,
+            gathered=gathered,
         ))
     return out
 
@@ -294,9 +328,9 @@ def _layout_worker(rank: int, world: int) -> list:
 @pytest.mark.timeout(200)
 def test_stage_buffers_match_derive_and_hold_the_weights():
     results = run_distributed(_layout_worker, 4, timeout=180)
-    batch = make_batch()
     for i, (m, kw, dp_shard) in enumerate(LAYOUT_CASES):
         where = f"{m} {kw} dp_shard={dp_shard}"
+        batch = make_batch(MODELS[m].spec.vocab_size)
         model = build_model(MODELS[m], "cpu")
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -310,6 +344,12 @@ def test_stage_buffers_match_derive_and_hold_the_weights():
             ref, got = y[torch.from_numpy(res["rows"])], torch.from_numpy(res["y"])
             if MODELS[m].spec.head == "lm":
                 ref = ref[..., res["vocab"] : res["vocab"] + got.shape[-1]]
-            err = ((got - ref).abs().max() / ref.abs().max()).item()
-            assert err < 1e-5, f"{where} rank {rank}: output differs by {err} (relative)"
+            err = ((got - ref).abs().max() / ref.abs().max()).item() if got.numel() else 0.0
+            assert got.shape == ref.shape and err < 1e-5, f"{where} rank {rank}: output differs by {err} (relative)"
+            if res["gathered"] is not None:  # uneven shards (one empty: tiny_vocab) all-gathered for sampling
+                full = torch.from_numpy(res["gathered"])
+                assert full.shape == y[torch.from_numpy(res["rows"])].shape, where
+                err = ((full - y[torch.from_numpy(res["rows"])]).abs().max() / y.abs().max()).item()
+                assert err < 1e-5, f"{where} rank {rank}: gathered logits differ by {err} (relative)"
+        assert (m not in UNEVEN_GATHER or dp_shard) or all(r[i]["gathered"] is not None for r in results), where
 

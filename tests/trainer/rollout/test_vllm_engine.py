@@ -272,6 +272,10 @@ def test_reshard_from_a_training_layout_fills_vllms_parameters_exactly():
         ("llama dp4 tp1", LLAMA, dict(dp=4)),
         ("qwen bf16 tp4 (one KV head, rank 3 padding only)", {**QWEN, "dtype": "bfloat16"}, dict(tp=4)),
         ("qwen bf16 dp2 tp2", {**QWEN, "dtype": "bfloat16"}, dict(dp=2, tp=2)),
+        # a vocabulary no tp divides: the training shards are 11 + 10 rows (torch.chunk, no padding);
+        # vLLM pads 21 to 64 and cuts it in 16-row pieces: 16, 5, then padding-only ranks
+        ("llama V=21 tp4 (vLLM rows 16, 5, padding, padding)", {**LLAMA, "vocab_size": 21}, dict(tp=4)),
+        ("qwen V=21 tied dp2 tp2 (vLLM rows 21, padding)", {**QWEN, "vocab_size": 21}, dict(dp=2, tp=2)),
     ]
     results = run_distributed(_reshard_into_vllm, 4, cases, timeout=180.0)
     assert [m for r in results for m in r] == []
