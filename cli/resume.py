@@ -19,17 +19,19 @@ def resume(
     """Continue RUN_DIR's job from its latest committed checkpoint (or the node's newer staged copy, checked) on NPROC processes: in the
     checkpoint's plan where it runs on NPROC ranks, else in the plan the controller chooses
     for them (or the one --set plan... gives); the state loads into the new layouts."""
-    from nereus.cli.train import check_launch, preflight, run_job
+    from nereus.cli.train import check_launch, hold_run_dir, preflight, run_job
     from nereus.trainer.config import ConfigError
     from nereus.trainer.elastic.resume import resume_config
 
     check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)
 
-    try:
-        cfg, how = resume_config(run_dir, nproc=nproc, overrides=list(set_))
-    except (ConfigError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    preflight(cfg)
-    typer.echo(f"resuming {run_dir} on {cfg.nproc} processes in {how}")
-    run_job(cfg, resume=True, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    with hold_run_dir(run_dir, nnodes) as locked:  # before the run dir is read: one job per run dir
+        try:
+            cfg, how = resume_config(run_dir, nproc=nproc, overrides=list(set_))
+        except (ConfigError, FileNotFoundError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        preflight(cfg, max_restarts)
+        typer.echo(f"resuming {run_dir} on {cfg.nproc} processes in {how}")
+        run_job(cfg, resume=True, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                locked=locked)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
 
@@ -49,45 +50,76 @@ def train(
     except (ConfigError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    preflight(cfg)
-    from nereus.launch import parse_nnodes, under_torchrun
+    preflight(cfg, max_restarts)
+    with hold_run_dir(cfg.run_dir, nnodes) as locked:  # before anything in the run dir is read or changed
+        if resume:
+            from nereus.trainer.elastic.resume import resumed_plan
 
-    if resume:
-        from nereus.trainer.elastic.resume import resumed_plan
-
-        try:
-            cfg = resumed_plan(cfg)  # the plan the job was in when it saved (a controller may have moved it)
-        except ConfigError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-        run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
-        return
-    # One launch on one node: its run dir is checked here, once, before any worker. Under
-    # torchrun (each worker process runs this, also after every restart) and on several nodes
-    # (each node's launcher runs this, also one joining later) only the workers can tell a
-    # fresh start from a restart: global rank 0 of a fresh start checks it (trainer/elastic/lineage.py, agree_start).
-    if under_torchrun() or parse_nnodes(nnodes)[1] > 1:
+            try:
+                cfg = resumed_plan(cfg)  # the plan the job was in when it saved (a controller may have moved it)
+            except ConfigError as e:
+                typer.echo(f"error: {e}", err=True)
+                raise typer.Exit(2) from None
+            run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                    locked=locked)
+            return
+        # One launch on one node: its run dir is checked here, once, before any worker. Under
+        # torchrun (each worker process runs this, also after every restart) and on several nodes
+        # (each node's launcher runs this, also one joining later) only the workers can tell a
+        # fresh start from a restart: global rank 0 of a fresh start checks it (trainer/elastic/lineage.py, agree_start).
+        if not locked:
+            run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                    overwrite=overwrite)
+            return
+        _fresh_run_dir(cfg.run_dir, overwrite)
         run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                overwrite=overwrite)
+                locked=True)
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: str, nnodes: str) -> Iterator[bool]:
+    """The run dir's lock (``trainer/elastic/run_lock.py``) held by this launcher for the
+    job's whole life, restarts included, when it is the holder — one node, not under
+    torchrun (yields True; what killed launches of this run dir left in /dev/shm is removed
+    under it) — else nothing (yields False: global rank 0's worker takes it). Exit 2 with
+    one line naming the holder while a live job holds it."""
+    from nereus.launch import parse_nnodes, remove_stale_semaphores, under_torchrun
+    from nereus.trainer.elastic.run_lock import RunDirBusy, RunLock
+    from nereus.trainer.elastic.staging import run_id
+
+    if under_torchrun() or parse_nnodes(nnodes)[1] > 1:
+        yield False
         return
-    _fresh_run_dir(cfg.run_dir, overwrite)
-    run_job(cfg, resume, nnodes=nnodes, max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    try:
+        lock = RunLock(run_dir).acquire()
+    except (RunDirBusy, OSError) as e:
+        typer.echo(f"error: {e}" if isinstance(e, RunDirBusy) else f"error: cannot lock run dir {run_dir}: {e}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        remove_stale_semaphores(run_id(run_dir))
+        yield True
+    finally:
+        lock.release()
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, max_restarts: int = 0) -> None:
     """What the workers will need, checked here once before any launch (exit 2 with one
-    line): the device, the trackers' packages, model directories, data files, tokenizer and
-    reward function."""
+    line): this node's staging dir (its owner and mode, when staging may be on), the device,
+    the trackers' packages, model directories, data files, tokenizer and reward function."""
     from nereus.trainer.config import ConfigError
     from nereus.trainer.prepare import resolve_device
     from nereus.trainer.data.rewards import RewardError
     from nereus.trainer.data.prompts import check_inputs
     from nereus.trainer.metrics.trackers import check_trackers
 
-    from nereus.trainer.elastic.staging import node_staging_dir
+    from nereus.trainer.elastic.staging import check_staging_dir, node_staging_dir, staging_root
 
     try:
         node_staging_dir()  # NEREUS_STAGING_DIR, this node's own staging path
+        if cfg.elastic.staging == "always" or (cfg.elastic.staging == "auto" and max_restarts > 0):
+            refused = check_staging_dir(staging_root(cfg))  # another user's, a link, or writable by others
+            if refused:
+                raise ConfigError(refused)
         resolve_device(cfg)  # device: cuda needs a GPU per local worker; fail here, before any launch
         check_trackers(cfg.logging.trackers)  # wandb/mlflow installed where rank 0 will log to them
     except (ConfigError, FileNotFoundError) as e:
@@ -106,14 +138,16 @@ def preflight(cfg) -> None:
 
 
 def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv_endpoint: str | None = None,
-            rdzv_id: str | None = None, overwrite: bool | None = None) -> None:
+            rdzv_id: str | None = None, overwrite: bool | None = None, locked: bool = False) -> None:
     """Run ``cfg``'s workers (this process under torchrun, else local ones through the
     elastic agent, restarted up to ``max_restarts`` times); one line of result (this node's
     ranks'), or the job's error and exit 1. ``overwrite`` not None: the workers check the run
-    dir on a fresh start (``run_worker``)."""
+    dir on a fresh start (``run_worker``). ``locked``: this launcher holds the run dir's lock
+    (``hold_run_dir``); else global rank 0's worker takes it."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from nereus.launch import launch_local, own_result, under_torchrun
+    from nereus.trainer.elastic.staging import run_id
     from nereus.trainer.runtime.worker import run_worker
 
     check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)
@@ -121,11 +155,11 @@ def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv
         last = run_worker(cfg, resume, overwrite)
     else:
         try:
-            last = own_result(launch_local(run_worker, cfg.nproc, cfg, resume, overwrite,
+            last = own_result(launch_local(run_worker, cfg.nproc, cfg, resume, overwrite, locked,
                                            run_id=rdzv_id or f"nereus-train-{uuid.uuid4().hex[:8]}", nnodes=nnodes,
                                            max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint,
                                            collective_timeout_s=cfg.elastic.collective_timeout_s,
-                                           last_call_s=cfg.elastic.last_call_s))
+                                           last_call_s=cfg.elastic.last_call_s, shm_tag=run_id(cfg.run_dir)))
         except ChildFailedError as e:
             typer.echo(f"error: workers failed after {max_restarts} restart(s): {e.get_first_failure()[1].message}", err=True)
             raise typer.Exit(1) from None

@@ -24,13 +24,34 @@ fresh start even when the workers' store is new (a node that sorts before the ol
 joined and hosts it now). Under torchrun the same wrapper comes with the rendezvous backend
 ``nereus`` (``nereus/rendezvous.py``, registered through torch's ``torchrun.handlers`` entry
 point): ``torchrun --rdzv-backend nereus``.
+
+A worker that is stopped (SIGSTOP, a debugger) ignores the SIGTERM its group is stopped
+with when a peer failed (torch.multiprocessing's ``ProcessContext.join``) or when the agent
+stops it (``PContext.close``), and torch 2.13 then waits 30 s before its SIGKILL, on every
+restart (the agent's ``shutdown_timeout`` reaches only its final shutdown): a hung worker cost
+collective_timeout_s + 30 s + the restart. ``continue_on_close`` sends SIGCONT to the
+group's live processes as those waits begin, so the SIGTERM acts at once (a SIGCONT to a
+running process does nothing). Installed with ``publish_store_every_round``, so under
+``torchrun --rdzv-backend nereus`` too.
+
+Semaphores: torch's agent makes multiprocessing semaphores for every start of the workers
+(a ``SimpleQueue`` per worker and an ``Event``: 7 for one worker, 13 for four), named files in
+``/dev/shm`` (``sem.mp-XXXX``). A clean exit unlinks them, and so does the launcher's resource
+tracker when the launcher alone dies; a SIGKILL of the whole process group (the tracker with
+it) leaves them until reboot. ``launch_local(..., shm_tag=...)`` names them
+``sem.nereus-<tag>-XXXX`` (``named_semaphores``: the ``semprefix`` CPython's
+``multiprocessing`` reads from the process's config; spawned children inherit it), so that
+the next launch on the same run dir, holding its lock, removes what a killed one left
+(``remove_stale_semaphores``). Under torchrun its own agent makes them, named as torch does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -97,6 +118,47 @@ def publish_store_every_round() -> None:
 
     next_rendezvous.nereus_wrapped = True
     dr.DynamicRendezvousHandler.next_rendezvous = next_rendezvous
+    continue_on_close()
+
+
+def continue_on_close() -> None:
+    """Wrap torch's ``PContext.close`` and ``ProcessContext._join_procs_with_timeout`` (once
+    per process) to SIGCONT the workers as they are stopped (module docstring)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+    from torch.multiprocessing.spawn import ProcessContext
+
+    real = PContext.close
+    if getattr(real, "nereus_wrapped", False):
+        return
+    real_join = ProcessContext._join_procs_with_timeout
+
+    def join_procs_with_timeout(self, timeout: float) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signal.SIGCONT)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        return real_join(self, timeout)
+
+    ProcessContext._join_procs_with_timeout = join_procs_with_timeout
+
+    def close(self, death_sig=None, timeout: int = 30) -> None:
+        try:
+            pids = list(self.pids().values())
+        except Exception:  # noqa: BLE001 - nothing started yet: nothing to continue
+            pids = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return real(self, death_sig, timeout)
+
+    close.nereus_wrapped = True
+    PContext.close = close
 
 
 def rendezvous_timeout(collective_timeout_s: float) -> float:
@@ -104,9 +166,59 @@ def rendezvous_timeout(collective_timeout_s: float) -> float:
     return max(600.0, 2.0 * collective_timeout_s)
 
 
+SHM = "/dev/shm"
+
+
+def sem_prefix(tag: str) -> str:
+    """The semaphore names of a launch tagged ``tag`` (``/nereus-<tag>``: files ``sem.nereus-<tag>-XXXX``)."""
+    return f"/nereus-{tag}"
+
+
+@contextlib.contextmanager
+def named_semaphores(tag: str | None) -> Iterator[None]:
+    """The multiprocessing semaphores this process makes meanwhile are named by ``tag``
+    (module docstring); a no-op without a tag or on a Python without ``semprefix``."""
+    import multiprocessing
+
+    config = getattr(multiprocessing.current_process(), "_config", None)
+    if tag is None or not isinstance(config, dict) or "semprefix" not in config:
+        yield
+        return
+    old, config["semprefix"] = config["semprefix"], sem_prefix(tag)
+    try:
+        yield
+    finally:
+        config["semprefix"] = old
+
+
+def stale_semaphores(tag: str, shm: str = SHM) -> list[str]:
+    """The semaphore files of launches tagged ``tag`` in ``shm`` that this user owns."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(shm, f"sem.{sem_prefix(tag).lstrip('/')}-*"))):
+        try:
+            if os.lstat(path).st_uid == os.geteuid():
+                out.append(path)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def remove_stale_semaphores(tag: str, shm: str = SHM) -> list[str]:
+    """Unlink what killed launches tagged ``tag`` left in ``shm`` (call only while no launch
+    of the tag runs: under the run dir's lock); returns what went."""
+    gone = []
+    for path in stale_semaphores(tag, shm):
+        try:
+            os.unlink(path)
+            gone.append(path)
+        except FileNotFoundError:
+            pass
+    return gone
+
+
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "nereus", nnodes: str = "1",
                  max_restarts: int = 0, rdzv_endpoint: str | None = None, collective_timeout_s: float = 300.0,
-                 last_call_s: int = 30) -> dict[int, Any]:
+                 last_call_s: int = 30, shm_tag: str | None = None) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nproc`` local processes (per node); returns this node's ranks'
     return values by global rank (of the last attempt, when the agent restarted them).
     Several nodes meet under ``run_id``, which must then be the same on every node.
@@ -114,7 +226,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "
     ``fn`` must be a module-level function. Workers find their rank in ``RANK`` and
     initialise the process group from the environment (``init_method="env://"``). A job
     whose workers still fail after ``max_restarts`` restarts raises the launcher's
-    ``ChildFailedError``.
+    ``ChildFailedError``. ``shm_tag``: the agent's semaphores are named by it (module docstring).
     """
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -137,7 +249,8 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "
     )
     publish_store_every_round()
     try:
-        return elastic_launch(config, fn)(*args)
+        with named_semaphores(shm_tag):
+            return elastic_launch(config, fn)(*args)
     finally:  # this launch's round must not reach what this process starts later
         os.environ.pop(RDZV_ROUND_ENV, None)
 

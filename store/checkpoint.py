@@ -25,12 +25,11 @@ regions, verifies each block's CRC32C against the manifest on the very bytes it 
 copies the regions from them: one read per byte, on object stores too. A block that fails
 is an error naming the file (the buffers then hold a partial load: do not use them).
 
-Async save (:class:`AsyncCheckpointer`): state is copied to host memory on the caller's
-thread — into host buffers kept from the previous save when the layouts match (pinned
-when CUDA is up: pinned allocation is slow, so it happens once) — then written and
-committed by a background thread over a dedicated gloo group, so training continues; at
-most one save is in flight, so the buffers are never overwritten while a save reads them.
-Retention keeps the last K.
+Async save (host copy, then a background write and commit): ``store/async_save.py``.
+
+Private roots (a staged copy): a local root whose directory has no group or other bits gets
+files 0600, directories 0700 (``dcp_io``; tensorstore's narrowed after each write); durable
+checkpoints keep the run dir's modes. ``seal``: the key a manifest is sealed under (``records``).
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ import os
 import time
 import uuid
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Mapping, MutableMapping, Sequence
 
 import fsspec
@@ -54,12 +52,12 @@ from nereus.reshard.staged import StagedBox, record_from_boxes
 from nereus.reshard.staged_load import StagedReader, load_staged, staged_transfers
 
 from .checksum import CHECKSUM, blocks_of, checksums_of, region_span
-from .dcp_io import BoxSavePlanner, BoxWriter, BoxWritten, dcp_save, plan_owned_boxes
+from .dcp_io import BoxSavePlanner, BoxWriter, BoxWritten, dcp_save, is_private_root, plan_owned_boxes, tighten
 from nereus.reshard.errors import TransferError
 
 from .errors import CheckpointExistsError, ConflictError, CorruptCheckpointError, StoreError
 from .kv import ABSENT, MetaStore, join_url, split_url
-from .records import CHECKPOINT_PREFIX, AuxFile, FileEntry, Manifest, checkpoint_key, manifest_from_dict, manifest_to_dict
+from .records import CHECKPOINT_PREFIX, AuxFile, FileEntry, Manifest, checkpoint_key, manifest_from_dict, manifest_to_dict, sealed
 from .safetensors_io import map_file
 
 DATA = "data"
@@ -143,7 +141,14 @@ class CheckpointStore:
             self.fs, self.path = fsspec.core.url_to_fs(self.root)
         except (ImportError, ValueError) as e:  # e.g. gs:// without gcsfs installed
             raise StoreError(f"cannot open checkpoint data at {self.root!r}: {e}") from None
+        self.private = is_private_root(self.path) if isinstance(self.fs, LocalFileSystem) else False  # module docstring
+        self._tight: set[str] = set()
         self.meta = MetaStore.open(self.root)
+
+    def tighten_meta(self) -> None:
+        """A private root's metadata files to 0600, its directories to 0700 (tensorstore's umask)."""
+        if self.private:
+            tighten(os.path.join(self.path, "meta"), self._tight)
 
     def steps(self) -> list[int]:
         """Committed checkpoint steps, ascending."""
@@ -214,6 +219,7 @@ class CheckpointStore:
         except ConflictError:
             raise ConflictError(f"{self.root}: another writer committed a checkpoint here while this one was written; "
                                 "nothing of this conversion was committed") from None
+        self.tighten_meta()
         for data_dir in retired:
             if data_dir and data_dir != manifest.data:
                 self.remove_data(data_dir)
@@ -246,6 +252,7 @@ class CheckpointStore:
                     writes[other.key], expect[other.key] = None, other.generation
                     retired.append(other.value.get("data"))
         self.meta.commit(writes, expect=expect)
+        self.tighten_meta()
         for data_dir in retired:
             if data_dir and data_dir != manifest.data:
                 self.remove_data(data_dir)
@@ -266,6 +273,7 @@ class CheckpointStore:
             self.meta.put(entry.key, None, expect=entry.generation)
         except ConflictError:
             return False
+        self.tighten_meta()
         self.remove_data(entry.value["data"])
         return True
 
@@ -405,6 +413,7 @@ def save_checkpoint(
     files: Mapping[str, bytes] | None = None,
     orphan_age: float = ORPHAN_AGE_S,
     among: Sequence[int] | None = None,
+    seal: str | None = None,
 ) -> Manifest:
     """Save every EMU's tensors from every rank (call on all ranks of ``group``).
 
@@ -416,7 +425,7 @@ def save_checkpoint(
     unfinished saves older than this are removed first (:meth:`CheckpointStore.clean_orphans`).
     ``among``: the global ranks of ``group`` when it is a part of the world (one node's): the
     save holds every box one of them holds and no other (a node's staged copy); default the
-    whole world. Returns the committed manifest on every rank.
+    whole world. ``seal``: the key it is sealed under. Returns the committed manifest on every rank.
     """
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -446,6 +455,7 @@ def save_checkpoint(
     def commit(data_dir, metadata, results, aux):
         manifest = build_manifest(step, data_dir, emus, layouts, results, state=state, plan=dict(plan) if plan else None,
                                   rng=metadata.planner_data or (), aux=aux)
+        manifest = sealed(manifest, seal) if seal is not None else manifest
         try:
             store.commit(manifest, overwrite=overwrite)
         except Exception:
@@ -458,7 +468,7 @@ def save_checkpoint(
     among = None if among is None else frozenset(among)
     planner = BoxSavePlanner(layouts, plan_owned_boxes(layouts, rank, among), resolve, rng if rng is not None else rng_state(),
                              among=among)
-    writer = BoxWriter(store.root, layouts, prepare, commit, sync=sync, extras=files)
+    writer = BoxWriter(store.root, layouts, prepare, commit, sync=sync, extras=files, private=store.private)
     no_dist = group is None and not (dist.is_available() and dist.is_initialized())
     dcp_save(planner, writer, group=group, no_dist=no_dist)
     return committed[0] if committed else store.manifest(step)
@@ -503,81 +513,3 @@ def load_checkpoint(
         for model, bufs in out.items():
             buffers.setdefault(model, {}).update(bufs)
     return manifest, out
-
-
-def stage_to_host(emus: Sequence[EMU], buffers: Buffers, rank: int,
-                  reuse: MutableMapping[str, torch.Tensor] | None = None,
-                  among: Sequence[int] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """Host copies of the buffers holding boxes this rank writes (pinned when CUDA is up).
-
-    ``reuse``: host buffers of an earlier call, by ``<model>/<name>``; one of the same shape
-    and dtype is written into instead of allocating (the dict is updated with new ones and
-    loses those no longer needed). ``among``: as ``save_checkpoint``'s."""
-    layouts = checkpoint_layouts(emus)
-    owned = {(n, o) for n, o, _ in plan_owned_boxes(layouts, rank, None if among is None else frozenset(among))}
-    needed: set[str] = set()
-    for name, layout in layouts.items():
-        for s in layout.shards:
-            if s.rank == rank and (name, s.offsets) in owned:
-                needed.add(s.buffer or name)
-    pin = torch.cuda.is_available()
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    kept = reuse if reuse is not None else {}
-    for key, t in flatten(buffers).items():
-        if key in needed:
-            host = kept.get(key)
-            if host is None or host.shape != t.shape or host.dtype != t.dtype:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            host.copy_(t.detach())
-            kept[key] = host
-            model, _, name = key.partition("/")
-            out.setdefault(model, {})[name] = host
-    for key in [k for k in kept if k not in needed]:
-        del kept[key]
-    return out
-
-
-class AsyncCheckpointer:
-    """Saves in the background: ``save`` stages to host memory and returns a future.
-
-    Construct on every rank at the same point (it creates a gloo group for the background
-    collectives when a process group is up). ``save`` waits for the previous save first,
-    so at most one is in flight; ``wait`` returns the last committed manifest.
-    """
-
-    def __init__(self, root: str, *, keep: int | None = None, sync: bool = True, group=None,
-                 among: Sequence[int] | None = None) -> None:
-        self.root = normalize_root(root)
-        self.keep, self.sync, self.among = keep, sync, among
-        if group is None and dist.is_available() and dist.is_initialized():
-            group = dist.new_group(backend="gloo")
-        self.group = group
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nereus-ckpt")
-        self._pending: Future | None = None
-        self.host: dict[str, torch.Tensor] = {}
-        """Host buffers kept across saves (``<model>/<name>``); refilled once the previous save is done."""
-
-    def save(self, step: int, emus: Sequence[EMU], buffers: Buffers, *, rank: int | None = None,
-             state: Mapping | None = None, plan: Mapping | None = None) -> Future:
-        self.wait()
-        if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        host = stage_to_host(emus, buffers, rank, reuse=self.host, among=self.among)  # after wait(): no save reads them now
-        rng = rng_state()
-        self._pending = self._pool.submit(
-            save_checkpoint, self.root, step, emus, host, rank=rank, group=self.group, state=state, plan=plan,
-            keep=self.keep, sync=self.sync, rng=rng, among=self.among,
-        )
-        return self._pending
-
-    def wait(self) -> Manifest | None:
-        if self._pending is None:
-            return None
-        pending, self._pending = self._pending, None
-        return pending.result()
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)

@@ -15,7 +15,8 @@ The save goes through ``dcp.save`` with two narrow pieces, as DCP intends:
   ranks' ``planner_data`` (their RNG states) into the metadata.
 - :class:`BoxWriter` (a ``StorageWriter``): ``write_data`` writes each item's bytes to its
   box file (local files: temporary name, fsync, rename; object stores: one put, which is
-  atomic) and returns its size and block checksums (CRC32C); ``finish`` (coordinator only,
+  atomic) and returns its size and block checksums (CRC32C) — with ``private`` (a staged copy
+  in node memory) every file it creates is 0600 and every directory 0700; ``finish`` (coordinator only,
   after every rank wrote) writes ``metadata.json`` (self-checksummed) and the caller's side
   files (``extras``: HF configs, tokenizer files), and calls ``commit(data_dir, metadata,
   results, aux)`` with their sizes and checksums — the checkpoint store commits the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import stat
 import warnings
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -202,17 +204,28 @@ def _finish_local(fd: int, tmp: str, path: str, sync: bool) -> None:
 _TMP_IDS = itertools.count()
 
 
-def write_file(fs: fsspec.AbstractFileSystem, path: str, data, *, sync: bool, pool: Executor | None = None) -> Future | None:
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700
+"""Modes of a private root's files and directories (a staged copy in node memory)."""
+
+
+def write_file(fs: fsspec.AbstractFileSystem, path: str, data, *, sync: bool, pool: Executor | None = None,
+               private: bool = False) -> Future | None:
     """Write a whole file so a reader sees it whole or not at all.
 
     Local: temporary name, write, fsync (``sync``), rename; with a ``pool`` the fsync and
     rename run there (returned future), overlapping the disk flush with the next file.
-    Elsewhere one ``pipe_file`` (a single put on object stores, visible atomically)."""
+    Elsewhere one ``pipe_file`` (a single put on object stores, visible atomically).
+    ``private``: the temporary file is created new (``O_EXCL``, no symlink followed), mode
+    0600 whatever the umask; the rename replaces a link at ``path``, never follows it."""
     if not isinstance(fs, LocalFileSystem):
         fs.pipe_file(path, bytes(memoryview(data).cast("B")))
         return None
     tmp = f"{path}.tmp-{os.getpid()}-{next(_TMP_IDS)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    if private:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
+        os.fchmod(fd, PRIVATE_FILE)  # the umask only removes bits; an explicit mode says it once
+    else:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data).cast("B")
         done = 0
@@ -226,6 +239,45 @@ def write_file(fs: fsspec.AbstractFileSystem, path: str, data, *, sync: bool, po
         return pool.submit(_finish_local, fd, tmp, path, sync)
     _finish_local(fd, tmp, path, sync)
     return None
+
+
+def is_private_root(path: str) -> bool:
+    """A local directory that exists with no group or other permission bits."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o077
+
+
+def tighten(top: str, seen: set[str]) -> None:
+    """Every file under ``top`` to 0600 and every directory (``top`` too) to 0700, links
+    left alone; paths in ``seen`` below ``top``'s own level are not looked at again (OCDBT's
+    data files are new names; its manifest in ``top`` is replaced at every commit)."""
+    for d, dirs, files in os.walk(top):
+        named = [(os.path.join(d, x), PRIVATE_DIR) for x in dirs] + [(os.path.join(d, x), PRIVATE_FILE) for x in files]
+        for path, mode in named + ([(top, PRIVATE_DIR)] if d == top else []):
+            if path in seen and d != top:
+                continue
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
+                    os.chmod(path, mode)
+            except FileNotFoundError:
+                continue  # retired meanwhile
+            seen.add(path)
+
+
+def makedirs_private(path: str) -> None:
+    """``os.makedirs`` with every directory it creates 0700 (``os.makedirs``' mode reaches only the leaf)."""
+    parent = os.path.dirname(path.rstrip("/"))
+    if parent and parent != path and not os.path.isdir(parent):
+        makedirs_private(parent)
+    try:
+        os.mkdir(path, PRIVATE_DIR)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
 
 
 def fsync_dir(fs: fsspec.AbstractFileSystem, path: str) -> None:
@@ -261,8 +313,11 @@ class BoxWriter(StorageWriter):
         progress: Callable[[int], None] | None = None,
         checksum_block: int = BLOCK,
         extras: Mapping[str, bytes] | None = None,
+        private: bool = False,
     ) -> None:
         super().__init__()
+        self.private = private
+        """Files 0600 and directories 0700 (``write_file``): a private root's (a staged copy)."""
         self.root_url = root_url.rstrip("/")
         self.fs, _ = fsspec.core.url_to_fs(self.root_url)
         self.layouts = layouts
@@ -295,20 +350,26 @@ class BoxWriter(StorageWriter):
     def _root(self, data_dir: str) -> str:
         return fsspec.core.url_to_fs(f"{self.root_url}/{data_dir}")[1]
 
+    def _makedirs(self, path: str) -> None:
+        if self.private and isinstance(self.fs, LocalFileSystem):
+            makedirs_private(path)
+        else:
+            self.fs.makedirs(path, exist_ok=True)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         """Write every item's box file. Per item, the checksums run on a helper thread while
         this thread writes the same bytes (both release the GIL); fsync + rename of local
         files run on the helpers too and are all awaited before returning."""
         self.data_dir = plan.storage_data
         root = self._root(self.data_dir)
-        self.fs.makedirs(root, exist_ok=True)
+        self._makedirs(root)
         results, flushes = [], []
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="nereus-write") as pool:
             for item in plan.items:
                 data = host_bytes(planner.resolve_data(item), self.scratch)
                 rel = box_file(item.index.fqn, tuple(item.index.offset))
                 sums = pool.submit(block_checksums, data, self.checksum_block)
-                flush = write_file(self.fs, f"{root}/{rel}", data, sync=self.sync, pool=pool)
+                flush = write_file(self.fs, f"{root}/{rel}", data, sync=self.sync, pool=pool, private=self.private)
                 if flush is not None:
                     flushes.append(flush)
                 written = BoxWritten(path=rel, checksums=sums.result())
@@ -323,13 +384,13 @@ class BoxWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         root = self._root(self.data_dir)
-        self.fs.makedirs(root, exist_ok=True)
+        self._makedirs(root)
         files = {METADATA: seal(staged_metadata(self.layouts)), **self.extras}
         aux = []
         for rel, data in files.items():
             if "/" in rel:
-                self.fs.makedirs(f"{root}/{rel.rsplit('/', 1)[0]}", exist_ok=True)
-            write_file(self.fs, f"{root}/{rel}", np.frombuffer(data, dtype=np.uint8), sync=self.sync)
+                self._makedirs(f"{root}/{rel.rsplit('/', 1)[0]}")
+            write_file(self.fs, f"{root}/{rel}", np.frombuffer(data, dtype=np.uint8), sync=self.sync, private=self.private)
             aux.append(AuxFile(path=rel, nbytes=len(data), checksums=block_checksums(data, self.checksum_block)))
         if self.sync:
             for d in sorted({f"{root}/{rel.rsplit('/', 1)[0]}" for rel in files if "/" in rel} | {root}):

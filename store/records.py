@@ -14,8 +14,10 @@ the key, instead of guessing. All ``*_to_dict`` / ``*_from_dict`` functions are 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from nereus.reshard.layout import EMU, emu_from_dict, emu_to_dict, itemsize
@@ -137,6 +139,27 @@ def manifest_to_dict(m: Manifest) -> dict:
         ],
         "aux": [[a.path, a.nbytes, list(a.checksums)] for a in m.aux],
     }
+
+
+SEAL = "seal"
+"""The job-state key of a manifest's seal (``manifest_seal``)."""
+
+
+def manifest_seal(m: Manifest, key: str) -> str:
+    """A manifest's seal under ``key`` (pure): SHA-256 of ``key`` and the manifest as stored
+    (every file with its size and CRC32C blocks, the EMUs, the job state but its own seal),
+    so a seal read back matches only the manifest it was made for, under the same key (a
+    staged copy's: its run id). It is an integrity binding, not a secret: a writer who can
+    write the manifest can also recompute it (the staging dir's owner check keeps others
+    from writing there)."""
+    d = manifest_to_dict(replace(m, state={k: v for k, v in (m.state or {}).items() if k != SEAL}))
+    canonical = json.dumps(json.loads(json.dumps(d)), sort_keys=True, separators=(",", ":"))  # as the store reads it back
+    return hashlib.sha256(f"{key}\n{canonical}".encode()).hexdigest()
+
+
+def sealed(m: Manifest, key: str) -> Manifest:
+    """``m`` with its seal under ``key`` in its job state (pure)."""
+    return replace(m, state={**(m.state or {}), SEAL: manifest_seal(m, key)})
 
 
 def _known_checksum(key: str, name: str) -> str:

@@ -14,7 +14,8 @@ from nereus.reshard.derive import DecoderSpec, derive_emus
 from nereus.reshard.layout import ParallelConfig
 from nereus.reshard.plan import merge_layouts
 from nereus.reshard.reference import mismatches, reference_state
-from nereus.store.checkpoint import AsyncCheckpointer, CheckpointStore, load_checkpoint, save_checkpoint
+from nereus.store.async_save import AsyncCheckpointer
+from nereus.store.checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
 from nereus.store.errors import CheckpointExistsError, ConflictError, CorruptCheckpointError, SchemaError
 from nereus.store.records import checkpoint_key
 from tests.distributed_harness import run_distributed
@@ -426,3 +427,34 @@ def test_a_side_file_is_read_once_and_verified_on_those_bytes(tmp_path, monkeypa
     fs.pipe_file(path, b'{"a": 2}' + b'{"a": 1}' * 99)
     with pytest.raises(CorruptCheckpointError, match=r"file .*hf/actor/tokenizer.json has crc32c \w+ in bytes \[0, 800\).*corrupted"):
         store.read_file(manifest, entry)
+
+
+def test_a_private_root_gets_0600_files_and_a_durable_one_keeps_its_modes(tmp_path):
+    """A root whose directory is 0700 (a staged copy) gets files 0600 and directories 0700,
+    the metadata store's included (tensorstore writes under the umask); any other root keeps
+    the modes it had (durable checkpoints are shared as the run dir is)."""
+    def modes(root):
+        return {os.stat(os.path.join(d, x)).st_mode & 0o7777 for d, dirs, files in os.walk(root) for x in dirs + files}
+
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir(mode=0o700)
+    for step in (1, 2, 3):
+        saved_single(str(private), step, emus_of(), keep=2)
+    assert CheckpointStore(str(private)).private and modes(private) == {0o700, 0o600}
+    saved_single(str(shared), 1, emus_of())
+    assert not CheckpointStore(str(shared)).private and 0o644 in modes(shared) and 0o600 not in modes(shared)
+
+
+def test_a_sealed_manifest_matches_only_its_own_key_and_content(tmp_path):
+    from dataclasses import replace
+
+    from nereus.store.records import SEAL, manifest_seal
+
+    m = saved_single(str(tmp_path / "ck"), 1, emus_of(), state={"step": 1}, seal="run-a")
+    read = CheckpointStore(str(tmp_path / "ck")).manifest(1)
+    assert read.state[SEAL] == manifest_seal(read, "run-a") != manifest_seal(read, "run-b")  # the seal survives the store
+    f = read.files[0]
+    forged = replace(read, files=(replace(f, checksums=("0" * 8,) * len(f.checksums)), *read.files[1:]))
+    assert manifest_seal(forged, "run-a") != read.state[SEAL]
+    assert manifest_seal(replace(read, state={**read.state, "step": 2}), "run-a") != read.state[SEAL]
+    assert m.state[SEAL] == read.state[SEAL]

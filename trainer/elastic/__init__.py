@@ -5,6 +5,8 @@
 - ``lineage``     which start of the job this process is: the agent's rendezvous round, restarts, the run's lineage
 - ``resume``      the plan a resumed job runs in, chosen before any worker starts
 - ``job_record``  the job's record in the store: its plans, transitions and starts
+- ``run_lock``    one job per run dir: the exclusive ``flock`` on ``RUN_DIR/.lock`` and who holds it
+- ``phases``      phase marks for fault injection from outside (``NEREUS_PHASE_LOG``; off otherwise)
 
 Nothing here imports ``runtime/``: the trainer comes in as an argument.
 """

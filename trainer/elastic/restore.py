@@ -3,7 +3,7 @@
 Restore (``choose_sources`` then ``restore_newest``): every rank reports what it sees — the
 staged manifests on its node and the newest durable step — and every rank derives the same
 ordered list: the newest staged step that every rank sees and that passes every check of
-``check_staged`` (this run's and this lineage's, not older than the durable checkpoint, its
+``check_staged`` (this run's — its seal matches the run id — and this lineage's, not older than the durable checkpoint, its
 plan record consistent with the durable checkpoint's and with the layouts its data was saved
 from, the same on every node, staged on each rank's node by that rank in a world of this
 size), then the durable checkpoint (every rank reads the same manifest).
@@ -30,7 +30,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from .staging import clear_staging, local_rank, plan_digest, staging_root
+from .staging import check_staging_dir, clear_staging, local_rank, plan_digest, run_id, staging_root
 
 DURABLE_REFUSED = "durable checkpoint refused"
 
@@ -65,22 +65,30 @@ def fresh_run_dir(run_dir: str, overwrite: bool) -> str | None:
     return None
 
 
-def agree_start(cfg, resume: bool, overwrite: bool | None = None) -> dict:
+def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> dict:
     """Collective, right after the process group forms: ``{"restoring", "restart",
     "lineage", "error"}``, decided by rank 0 and the same on every rank. ``restart``:
     ``is_restart``; ``restoring``: ``resume`` or a restart; ``lineage``: the launch's
-    published lineage on a restart, a new one on a fresh start. A fresh start clears every
-    node's staged copies (its local rank 0); with ``overwrite`` not None (the launcher left the
-    run dir to the workers: under torchrun, several nodes) rank 0 also refuses an earlier
-    run's checkpoints or deletes them (``fresh_run_dir``) — never on a restart."""
+    published lineage on a restart, a new one on a fresh start. ``lock`` (rank 0's, when
+    the launcher does not hold the run dir's: ``run_lock.RunLock``) is taken first; a live
+    job's is the error. A fresh start clears every node's staged copies (its local rank 0);
+    with ``overwrite`` not None (the launcher left the run dir to the workers: under
+    torchrun, several nodes) rank 0 also refuses an earlier run's checkpoints or deletes
+    them (``fresh_run_dir``) — never on a restart."""
     from .lineage import is_restart, launch_lineage, new_lineage
+    from .run_lock import SAME_JOB_WAIT_S, RunDirBusy
 
     decision: list = [None]
     if dist.get_rank() == 0:
         restart = is_restart()
         lineage = launch_lineage() if restart else None
         error = None
-        if not (resume or restart) and overwrite is not None:
+        if lock is not None:
+            try:
+                lock.acquire(wait_same_job_s=SAME_JOB_WAIT_S)
+            except (RunDirBusy, OSError) as e:
+                error = str(e) if isinstance(e, RunDirBusy) else f"cannot lock run dir {cfg.run_dir}: {e}"
+        if error is None and not (resume or restart) and overwrite is not None:
             try:
                 error = fresh_run_dir(cfg.run_dir, overwrite)
             except OSError as e:
@@ -113,8 +121,22 @@ def plan_record_conflict(staged: Mapping | None, durable: Mapping | None, durabl
     return None
 
 
-def summarize(manifest) -> dict:
-    """What ``check_staged`` reads of a staged manifest (JSON-able: it crosses ranks)."""
+def seal_state(manifest, key: str | None) -> str:
+    """``ok`` when the manifest's seal is the one made under ``key`` (the run id), else
+    ``missing``, ``mismatch`` or ``unchecked`` (no key)."""
+    from nereus.store.records import SEAL, manifest_seal
+
+    have = (manifest.state or {}).get(SEAL)
+    if key is None:
+        return "unchecked"
+    if not have:
+        return "missing"
+    return "ok" if have == manifest_seal(manifest, key) else "mismatch"
+
+
+def summarize(manifest, seal: str | None = None) -> dict:
+    """What ``check_staged`` reads of a staged manifest (JSON-able: it crosses ranks);
+    ``seal``: the key it must be sealed under (the run id)."""
     plan = manifest.plan or {}
     state = manifest.state or {}
     layouts = []
@@ -124,7 +146,8 @@ def summarize(manifest) -> dict:
         planned = None if not isinstance(sc, dict) else (sc.get("dp", 1), sc.get("tp", 1), sc.get("pp", 1))
         layouts.append([f"{e.model}.{e.stage}", list(saved), None if planned is None else list(planned)])
     return {"step": manifest.step, "data": manifest.data, "plan": manifest.plan, "staged": state.get("staged", {}),
-            "plan_record": state.get("plan_record"), "layouts": layouts, "node": state.get("node")}
+            "plan_record": state.get("plan_record"), "layouts": layouts, "node": state.get("node"),
+            "seal": seal_state(manifest, seal)}
 
 
 def check_staged(view: dict | None, *, durable_step: int | None, run_dir: str, durable_state: Mapping | None = None,
@@ -142,6 +165,8 @@ def check_staged(view: dict | None, *, durable_step: int | None, run_dir: str, d
     tag = view.get("staged") or {}
     if tag.get("run") != os.path.abspath(run_dir):
         return f"it belongs to run {tag.get('run')!r}, not {os.path.abspath(run_dir)!r}"
+    if view.get("seal") != "ok":
+        return f"its seal does not match this run's (run id {run_id(run_dir)}): {view.get('seal', 'missing')}"
     durable_state = durable_state or {}
     want = lineage or durable_state.get("lineage")
     if want and tag.get("lineage") != want:
@@ -244,8 +269,10 @@ def choose_sources(views: list[dict], *, run_dir: str, staged_root: str, durable
     return sources, reasons
 
 
-def local_view(staged_root: str, durable_root: str) -> dict:
-    """This rank's view: the newest staged manifest it sees on its node (``summarize``), the
+def local_view(staged_root: str, durable_root: str, seal: str | None = None) -> dict:
+    """This rank's view: the newest staged manifest it sees on its node (``summarize``, its
+    seal checked under ``seal``, the run id; a staging dir ``check_staging_dir`` refuses is
+    an error, never read), the
     older committed ones (``staged_older``, newest first: a step every node holds may be
     older than one node's newest), the durable step, plan and job-state record
     (``durable_state``: lineage, plan record). A newest manifest that cannot be read becomes a
@@ -254,15 +281,18 @@ def local_view(staged_root: str, durable_root: str) -> dict:
 
     view: dict = {"staged": None, "staged_older": [], "durable": None, "durable_plan": None, "durable_state": None,
                   "durable_error": None}
-    if os.path.isdir(staged_root):
+    refused = check_staging_dir(staged_root)
+    if refused:
+        view["staged"] = {"error": refused}
+    elif os.path.isdir(staged_root):
         try:
             store = CheckpointStore(staged_root)
             steps = store.steps()
             if steps:
-                view["staged"] = summarize(store.manifest(steps[-1]))
+                view["staged"] = summarize(store.manifest(steps[-1]), seal)
             for step in reversed(steps[:-1]):
                 try:
-                    view["staged_older"].append(summarize(store.manifest(step)))
+                    view["staged_older"].append(summarize(store.manifest(step), seal))
                 except Exception:  # noqa: BLE001 - retired meanwhile or unreadable: not a candidate
                     pass
         except Exception as e:  # noqa: BLE001 - an unreadable copy is refused, never fatal
@@ -286,7 +316,7 @@ def agree_sources(cfg, durable_root: str, *, lineage: str | None = None) -> tupl
     """``choose_sources`` over every rank's ``local_view`` (one object collective)."""
     root = staging_root(cfg)
     views: list = [None] * dist.get_world_size()
-    dist.all_gather_object(views, local_view(root, durable_root))
+    dist.all_gather_object(views, local_view(root, durable_root, run_id(cfg.run_dir)))
     sources, reasons = choose_sources(views, run_dir=cfg.run_dir, staged_root=root, durable_root=durable_root,
                                       lineage=lineage)
     if any(v["staged"] is not None for v in views) and not any(s.kind == "staged" for s in sources):

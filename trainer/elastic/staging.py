@@ -31,6 +31,20 @@ thread writes and commits them over a gloo group of its own while the next step 
 (``write_s``); the next ``stage`` first waits for it (``wait_s``, 0 when the write finished
 under the step). Both figures land in the next step's metrics record (``staging``).
 
+Only its owner reads it: the staging dir is created 0700 (and ``meta/``, ``data/`` in it),
+every file the store writes there 0600 (``store/checkpoint.py``: a root whose directory is
+0700 is private). On every open — the Stager's, a restore's, a fresh start's or a finished
+run's clean-up, the launcher's preflight — the dir (``NEREUS_STAGING_DIR``,
+``elastic.staging_dir`` or the default alike) is looked at without following a link, and
+refused, with one line naming it and its owner, when it is a symlink, not a directory, owned
+by another user than the effective uid, or writable by group or other; so is one whose
+existing parents another user could swap it in (owned by neither root nor this user, or
+group/other-writable without the sticky bit: ``/dev/shm`` itself is root's, sticky). A dir of
+this user's readable by others (an older Nereus's) is narrowed to 0700. A refused dir is
+never written to nor cleared. Each staged manifest is sealed under the run id
+(``records.manifest_seal``: its files' sizes and CRC32C blocks, its job state — run,
+lineage, step): a copy is restored only when its seal matches this run's.
+
 Which source a (re)started job restores: ``trainer/elastic/restore.py``; the launch's round and
 the run's lineage: ``trainer/elastic/lineage.py``.
 
@@ -50,12 +64,15 @@ import math
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 from datetime import timedelta
 from typing import Mapping
 
 import torch.distributed as dist
+
+from .phases import mark
 
 STAGING_BASE = "/dev/shm"
 STAGING_ENV = "NEREUS_STAGING_DIR"
@@ -126,15 +143,123 @@ def shared_dir(nodes: list[list[int]], dirs: list) -> str | None:
 
 def dir_identity(root: str) -> tuple[str, int, int]:
     """The staging dir (created) as ``(host, device, inode)``."""
-    os.makedirs(root, exist_ok=True)
     st = os.stat(root)
     return socket.gethostname(), st.st_dev, st.st_ino
 
 
+# ------------------------------------------------------------------ owner and mode (checks pure)
+
+HINT = f"give this job a staging dir of its own ({STAGING_ENV} or elastic.staging_dir)"
+
+
+def owner_name(uid: int) -> str:
+    """``name (uid N)``, or ``uid N`` for a uid without a name."""
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def dir_refusal(path: str, st: os.stat_result, euid: int) -> str | None:
+    """Why a staging dir must not be used (None: it may). ``st``: its ``lstat`` (a link is
+    not followed); ``euid``: this process's effective uid (pure)."""
+    owner = owner_name(st.st_uid)
+    if stat.S_ISLNK(st.st_mode):
+        return f"staging dir {path} is a symlink (owned by {owner}): refused; {HINT}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"staging dir {path} is not a directory (owned by {owner}): refused; {HINT}"
+    if st.st_uid != euid:
+        return f"staging dir {path} is owned by {owner}, not by this user ({owner_name(euid)}): refused; {HINT}"
+    loose = [who for who, bit in (("group", stat.S_IWGRP), ("other", stat.S_IWOTH)) if st.st_mode & bit]
+    if loose:
+        return (f"staging dir {path} (owned by {owner}) is writable by {' and '.join(loose)} (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}): refused; {HINT}")
+    return None
+
+
+def parent_refusal(path: str, st: os.stat_result, euid: int) -> str | None:
+    """Why an existing parent of a staging dir lets another user swap the dir (None: it does
+    not): owned by neither root nor this user, or writable by group or other without the
+    sticky bit (pure)."""
+    if st.st_uid not in (0, euid):
+        return f"staging dir's parent {path} is owned by {owner_name(st.st_uid)}: refused; {HINT}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return (f"staging dir's parent {path} is writable by others without the sticky bit (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}): refused; {HINT}")
+    return None
+
+
+def check_staging_dir(root: str) -> str | None:
+    """Why ``root`` must not be used as a staging dir (None: fine, or absent); reads only."""
+    euid = os.geteuid()
+    parent = os.path.dirname(os.path.abspath(root))
+    while True:
+        try:
+            why = parent_refusal(parent, os.stat(parent), euid)
+        except FileNotFoundError:
+            why = None  # made 0700 by open_staging_dir
+        if why:
+            return why
+        if parent == os.path.dirname(parent):
+            break
+        parent = os.path.dirname(parent)
+    try:
+        return dir_refusal(root, os.lstat(root), euid)
+    except FileNotFoundError:
+        return None
+
+
+def open_staging_dir(root: str, *, create: bool = True) -> str | None:
+    """Check ``root`` (``check_staging_dir``), create it 0700 when absent (``create``), narrow
+    this user's own to 0700, and make ``meta/`` and ``data/`` in it 0700; the refusal (one
+    line) or None. Nothing is created or changed in a refused dir."""
+    from nereus.store.dcp_io import PRIVATE_DIR, makedirs_private
+
+    why = check_staging_dir(root)
+    if why or (not create and not os.path.lexists(root)):
+        return why
+    if create and not os.path.lexists(root):
+        makedirs_private(os.path.dirname(os.path.abspath(root)))
+        try:
+            os.mkdir(root, PRIVATE_DIR)
+        except FileExistsError:
+            pass  # made meanwhile: checked below like any other
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return check_staging_dir(root) or f"staging dir {root} cannot be opened: refused; {HINT}"
+    try:
+        st = os.fstat(fd)
+        why = dir_refusal(root, st, os.geteuid())
+        if why:
+            return why
+        if stat.S_IMODE(st.st_mode) != PRIVATE_DIR:
+            os.fchmod(fd, PRIVATE_DIR)
+    finally:
+        os.close(fd)
+    for part in ("meta", "data"):
+        sub = os.path.join(root, part)
+        if not os.path.lexists(sub):
+            if create:
+                makedirs_private(sub)
+        elif os.path.islink(sub) or not os.path.isdir(sub):
+            return f"staging dir {root} holds {part} as a link or a file: refused; {HINT}"
+        elif stat.S_IMODE(os.stat(sub).st_mode) != PRIVATE_DIR:
+            os.chmod(sub, PRIVATE_DIR)
+    return None
+
+
 def clear_staging(root: str) -> None:
     """Remove a node's staged copies: the store's own ``meta/`` and ``data/`` only, then
-    ``root`` if that left it empty (a configured ``staging_dir`` may hold other files)."""
-    if not os.path.isdir(root):
+    ``root`` if that left it empty (a configured ``staging_dir`` may hold other files). A
+    refused dir (``check_staging_dir``) is left as it is, with one line."""
+    if not os.path.lexists(root):
+        return
+    why = check_staging_dir(root)
+    if why:
+        print(f"nereus: staged copies not cleared: {why}", file=sys.stderr, flush=True)
         return
     for part in ("meta", "data"):
         shutil.rmtree(os.path.join(root, part), ignore_errors=True)
@@ -172,14 +297,9 @@ def advance_plan_record(record: Mapping | None, plan: Mapping, step: int) -> dic
 
 
 def staged_state(run_dir: str, lineage: str | None) -> dict:
-    """What a staged manifest's job state adds for ``check_staged``: whose run and lineage."""
-    return {"staged": {"run": os.path.abspath(run_dir), "lineage": lineage}}
-
-
-# ------------------------------------------------------------------ checks (pure)
-
-
-# ------------------------------------------------------------------ I/O
+    """What a staged manifest's job state adds for ``check_staged``: whose run (its path and
+    run id: the key it is sealed under) and lineage."""
+    return {"staged": {"run": os.path.abspath(run_dir), "run_id": run_id(run_dir), "lineage": lineage}}
 
 
 # ------------------------------------------------------------------ staging
@@ -239,7 +359,7 @@ class Stager:
     when staging did not fit or two nodes share one staging dir."""
 
     def __init__(self, cfg, rank: int, emus=None) -> None:
-        from nereus.store.checkpoint import AsyncCheckpointer
+        from nereus.store.async_save import AsyncCheckpointer
 
         self.root, self.rank = staging_root(cfg), rank
         self.last: dict = {}
@@ -249,9 +369,14 @@ class Stager:
         self.refused: str | None = None
         world = dist.get_world_size()
         try:
-            where = dir_identity(self.root)
+            where = open_staging_dir(self.root) if local_rank() == 0 else None  # one creator per node
         except OSError as e:
             where = f"cannot create it ({e})"
+        dist.barrier()  # the node's local rank 0 made it before any other rank looks
+        try:
+            where = where or check_staging_dir(self.root) or dir_identity(self.root)
+        except OSError as e:
+            where = f"cannot open it ({e})"
         found: list = [None] * world
         dist.all_gather_object(found, (node_key(), where))
         self.nodes = group_nodes([key for key, _ in found])
@@ -283,7 +408,8 @@ class Stager:
             groups = [dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) for ranks in self.nodes]
             group = groups[self.nodes.index(self.node)]
         among = self.node if len(self.nodes) > 1 else None
-        self.saver = AsyncCheckpointer(self.root, keep=cfg.elastic.staging_keep, sync=False, group=group, among=among)
+        self.saver = AsyncCheckpointer(self.root, keep=cfg.elastic.staging_keep, sync=False, group=group, among=among,
+                                       seal=run_id(cfg.run_dir))
 
     def stage(self, step: int, emus, buffers, state: dict, plan: dict) -> None:
         """Stage ``step``: wait for the previous write, copy to host, write in the background."""
@@ -297,9 +423,15 @@ class Stager:
             return
         t1 = time.perf_counter()
         state = {**state, "node": {"ranks": list(self.node), "world": sum(map(len, self.nodes))}}
+        mark("stage", "start", step, self.rank)  # NEREUS_PHASE_LOG only (tools/bench_faults.py)
         future = self.saver.save(step, emus, buffers, rank=self.rank, state=state, plan=plan)
         self._submitted, self._done = time.perf_counter(), 0.0
-        future.add_done_callback(lambda _: setattr(self, "_done", time.perf_counter()))
+
+        def done(_) -> None:
+            self._done = time.perf_counter()
+            mark("stage", "end", step, self.rank)
+
+        future.add_done_callback(done)
         self.last = {"step": step, "wait_s": t1 - t0, "copy_s": self._submitted - t1}
 
     def _failed(self, e: Exception) -> None:

@@ -64,8 +64,12 @@ class JobControl:
 
             from ..config import PlanConfig, build_tree
 
+            from ..elastic.phases import mark
+
+            mark("transition", "start", trainer.step, trainer.rank)  # NEREUS_PHASE_LOG only (tools/bench_faults.py)
             try:
                 done = trainer.apply_plan(build_tree(PlanConfig, message[0], "plan."), verify=trainer.cfg.controller.verify)
+                mark("transition", "end", trainer.step, trainer.rank)
             except TransitionTimeout as e:  # the group may hold pending ops: no collective on it again
                 raise RuntimeError(
                     f"plan transition at step {metrics['step']} timed out: {e}. The process group cannot be reused: restart "

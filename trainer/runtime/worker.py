@@ -37,10 +37,22 @@ def join_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
     group with gloo for CPU tensors and NCCL for CUDA tensors (``device_id`` forms the NCCL
     communicator now, on every rank, so that a first point-to-point batch between some ranks
     does not have to). ``timeout_s`` (``elastic.collective_timeout_s``) is every collective's
-    deadline: a dead peer fails the survivors' collectives, and the agent restarts them."""
+    deadline: a dead peer fails the survivors' collectives, and the agent restarts them.
+
+    Every group made later in this process without a timeout of its own (the layouts' TP/PP/DP
+    groups, DeviceMesh's) gets the same deadline: torch gives ``new_group(timeout=None)`` its
+    backend's default (30 min for gloo, 10 for NCCL), not the world's, so a peer that hung
+    (SIGSTOP, a stuck device) inside a TP collective held the job for 30 minutes
+    (``tools/bench_faults.py``'s hang trials found it). Done by setting the defaults torch
+    reads there (``distributed_c10d.default_pg_timeout``, ``default_pg_nccl_timeout``)."""
+    from torch.distributed import distributed_c10d
+
     from ..elastic.lineage import enter_launch
 
     timeout = timedelta(seconds=timeout_s)
+    distributed_c10d.default_pg_timeout = timeout
+    if getattr(distributed_c10d, "default_pg_nccl_timeout", None) is not None:
+        distributed_c10d.default_pg_nccl_timeout = timeout
     where = enter_launch(timeout)  # under an elastic agent: its store, prefixed by this rendezvous round
     if device.type == "cpu":
         dist.init_process_group("gloo", timeout=timeout, **where)
@@ -49,7 +61,7 @@ def join_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device, **where)
 
 
-def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = None) -> dict:
+def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = None, locked: bool = False) -> dict:
     """One rank of ``nereus train`` (the process group is initialised from the environment).
 
     With ``resume``, and on every restart by the elastic agent, the state comes back from the
@@ -65,11 +77,15 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     is one for the world there is (``trainer/elastic/resume.py: plan_for_start``). ``overwrite`` not
     None: the launcher left the run dir to the workers (under torchrun, several nodes); a
     fresh start's rank 0 refuses an earlier run's checkpoints, or deletes them with
-    ``overwrite`` — never a restart. Returns the last step's metrics, or ``{"error":
+    ``overwrite`` — never a restart. ``locked``: the launcher holds the run dir's lock
+    (``trainer/elastic/run_lock.py``); else global rank 0 takes it before it looks at the run
+    dir and holds it until it exits. Returns the last step's metrics, or ``{"error":
     message}`` on every rank when the job stopped on a non-finite loss (the last committed
-    checkpoint is left as it was), the run dir was refused, or no source could be restored.
+    checkpoint is left as it was), the run dir was refused (another job holds it, or it holds
+    an earlier run's checkpoints), or no source could be restored.
     """
     from ..elastic.restore import agree_start
+    from ..elastic.run_lock import RunLock
 
     times = {"entry": time.time()}  # when this attempt's worker started, for tools/bench_elastic.py's recovery split
     device = worker_device(cfg)
@@ -78,8 +94,9 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or cfg.nproc  # this node's workers share its cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     torch.manual_seed(cfg.seed)
+    lock = RunLock(cfg.run_dir, job=os.environ.get("TORCHELASTIC_RUN_ID")) if not locked and dist.get_rank() == 0 else None
     try:
-        start = agree_start(cfg, resume, overwrite)  # fresh: no earlier run's staged copy comes back
+        start = agree_start(cfg, resume, overwrite, lock)  # fresh: no earlier run's staged copy comes back
         if start["error"]:
             return {"error": start["error"]}
         started = _start(cfg, resume, start, device, times)
@@ -89,6 +106,8 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
         return loop.run()
     finally:
         dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
 
 
 @dataclass(kw_only=True)
@@ -153,14 +172,18 @@ class _Loop:
             trainer.source.close()
             if self.log:
                 self.log.close(failed=not finished)
-        if self.staging and finished:  # the final checkpoint holds the last step: the node's memory is given back
-            finish_staging(cfg)
+        if finished:  # the final checkpoint holds the last step: the node's memory is given back (a copy a
+            finish_staging(cfg)  # resume without staging restored from too)
         return last
 
     def step(self) -> dict:
         """One step and what follows it: validation, the metrics, the controller, the state kept."""
+        from ..elastic.phases import forced_plan, mark
+
         trainer, cfg = self.trainer, self.trainer.cfg
+        mark("step", "start", trainer.step + 1, trainer.rank)  # phase marks: NEREUS_PHASE_LOG only (tools/bench_faults.py)
         metrics = gather_rank_figures(trainer.run_step())
+        mark("step", "end", trainer.step, trainer.rank)
         every = cfg.validation.every
         if every and (trainer.step % every == 0 or trainer.step == cfg.steps):
             metrics.update(trainer.validate())
@@ -175,8 +198,29 @@ class _Loop:
         self.record = None
         if self.control is not None:  # the last step is observed too, and decides nothing
             self.control.after_step(metrics, decide=trainer.step < cfg.steps)
+        forced = forced_plan(trainer.step) if trainer.step < cfg.steps else None
+        if forced is not None:  # NEREUS_FORCE_PLAN only (tools/bench_faults.py)
+            self.force(forced)
         self.keep_state()
         return metrics
+
+    def force(self, overrides: dict) -> None:
+        """Move to the plan with ``overrides`` set (``elastic/phases.py``: a transition on cue),
+        as an admitted decision moves; RuntimeError on every rank when it fails."""
+        from ..config import PlanConfig, build_tree
+        from ..elastic.phases import mark, merge_plan
+
+        trainer = self.trainer
+        plan = build_tree(PlanConfig, merge_plan(config_to_dict(trainer.cfg.plan), overrides), "plan.")
+        if plan == trainer.cfg.plan:
+            return
+        mark("transition", "start", trainer.step, trainer.rank)
+        done = trainer.apply_plan(plan)
+        failed = torch.tensor([float("error" in done)])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            raise RuntimeError(f"the forced transition after step {trainer.step} failed: {done.get('error', 'on another rank')}")
+        mark("transition", "end", trainer.step, trainer.rank)
 
     def keep_state(self) -> None:
         """The durable checkpoint every ``checkpoint_every`` steps and at the end; the staged
@@ -190,7 +234,11 @@ class _Loop:
         if self.log and (durable or staged):  # the trackers hold this step before a state of it commits
             flush_trackers(self.log.trackers)
         if durable:
+            from ..elastic.phases import mark
+
+            mark("save", "start", trainer.step, trainer.rank)
             trainer.save()
+            mark("save", "end", trainer.step, trainer.rank)
         if staged:
             trainer.stage(self.stager)
 
@@ -235,8 +283,12 @@ def _start(cfg: JobConfig, resume: bool, start: dict, device: torch.device, time
             publish_lineage(trainer.extra_state["lineage"])
         return {"trainer": trainer, "first": 0, "record": {"source": "none", "step": 0, "refused": reasons, "restore_s": 0.0,
                                                             **attempt} if restoring else None}
+    from ..elastic.phases import mark
+
+    mark("restore", "start", None, trainer.rank)
     try:
         first, record = restore_newest(trainer, sources, reasons)
+        mark("restore", "end", first, trainer.rank)
     except RuntimeError as e:  # every rank: nothing loads; the job stops (an agent restart would meet the same)
         return {"error": str(e)}
     restored = trainer.restored_state

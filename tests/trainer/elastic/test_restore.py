@@ -7,7 +7,7 @@ import pytest
 from nereus.launch import own_result, parse_nnodes, rendezvous_timeout
 from nereus.trainer.config import ConfigError
 from nereus.trainer.prepare import load_config
-from nereus.trainer.elastic.staging import plan_digest
+from nereus.trainer.elastic.staging import plan_digest, run_id
 from nereus.trainer.elastic.restore import check_staged, choose_sources
 
 from tests.trainer.elastic.common import TINY_GRPO
@@ -18,7 +18,7 @@ def _view(step=5, run="/r", plan=None, layouts=None, lineage="L1", record=None, 
     return {"step": step, "data": f"data/{step}", "plan": plan, "staged": {"run": run, "lineage": lineage},
             "plan_record": record if record is not None else {"version": 1, "since": 3, "digest": plan_digest(plan)},
             "layouts": layouts if layouts is not None else [["actor.train", [2, 1, 1], [2, 1, 1]]],
-            "node": node if node is not None else {"ranks": [0, 1], "world": 2}}
+            "node": node if node is not None else {"ranks": [0, 1], "world": 2}, "seal": "ok"}
 
 
 def _durable(lineage="L1", version=1, since=3, plan=None):
@@ -38,6 +38,9 @@ def test_check_staged_names_why_a_copy_is_refused():
     moved = _view(layouts=[["actor.train", [1, 2, 1], [2, 1, 1]]])
     assert "actor.train's data is in dp·tp·pp [1, 2, 1], but its plan record says [2, 1, 1]" in check_staged(moved, durable_step=None, run_dir="/r")
     assert "cannot be read" in check_staged({"error": "its manifest cannot be read (x)"}, durable_step=None, run_dir="/r")
+    for seal in ("mismatch", "missing", "unchecked"):  # sealed under another run id, or not at all
+        assert f"its seal does not match this run's (run id {run_id('/r')}): {seal}" == check_staged(
+            {**_view(), "seal": seal}, durable_step=None, run_dir="/r")
 
 
 def test_a_staged_copy_of_another_launch_or_plan_history_is_refused():

@@ -38,6 +38,8 @@ def _train_and_stage(rank, world, run_dir, shm_dir):
     stager = Stager(cfg, rank)
     trainer.stage(stager)
     stager.close()
+    modes = {os.stat(os.path.join(d, x)).st_mode & 0o7777 for d, dirs, files in os.walk(shm_dir) for x in dirs + files}
+    modes.add(os.stat(shm_dir).st_mode & 0o7777)
     states[2] = {k: v.clone() for k, v in trainer.stages["actor.train"].buffers().items()}
     lrs[2] = trainer.stages["actor.train"].optimizer.param_groups[0]["lr"]
     out = []
@@ -57,6 +59,7 @@ def _train_and_stage(rank, world, run_dir, shm_dir):
         lr = fresh.stages["actor.train"].optimizer.param_groups[0]["lr"]
         out.append((step, record, same, [s.kind for s in sources], os.path.isdir(shm_dir), (fresh.step, lr == lrs[step])))
     out.append(_capacity_and_a_failed_write(cfg, rank, fresh, shm_dir))
+    out.append(modes)
     return out
 
 
@@ -198,7 +201,8 @@ def test_a_save_by_a_node_writes_every_box_its_ranks_hold_replicas_too():
 
 @pytest.mark.timeout(120)
 def test_the_staged_copy_restores_its_step_and_a_corrupted_one_is_refused_for_the_durable(tmp_path, shm_dir):
-    staged, durable, capacity = run_distributed(_train_and_stage, 1, str(tmp_path / "run"), shm_dir, timeout=110)[0]
+    staged, durable, capacity, modes = run_distributed(_train_and_stage, 1, str(tmp_path / "run"), shm_dir, timeout=110)[0]
+    assert modes == {0o700, 0o600}  # only its owner reads the staged copy: dirs 0700, files 0600 (the store's too)
     step, record, same, kinds, left, counters = staged
     assert step == 2 and record["source"] == "staged" and record["refused"] == [] and kinds == ["staged", "durable"]
     assert same and counters == (2, True) and left  # every element of the actor's state; the step and the LR schedule
@@ -245,8 +249,13 @@ def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, s
     written = sorted(os.listdir(os.path.join(shm_dir, "data")))
     assert len(written) == 2 and written[1].startswith("000000000002-")  # step 2's boxes, named by no manifest
     store.verify(store.manifest(1))  # every block of step 1 against its checksums
-    view = local_view(shm_dir, str(tmp_path / "run" / "checkpoints"))
+    from nereus.trainer.elastic.staging import run_id
+
+    view = local_view(shm_dir, str(tmp_path / "run" / "checkpoints"), run_id(str(tmp_path / "run")))
     assert view["staged"]["step"] == 1 and check_staged(view["staged"], durable_step=None, run_dir=str(tmp_path / "run")) is None
+    other = local_view(shm_dir, str(tmp_path / "run" / "checkpoints"), run_id(str(tmp_path / "other")))["staged"]
+    assert "its seal does not match this run's" in check_staged({**other, "staged": view["staged"]["staged"]}, durable_step=None,
+                                                                run_dir=str(tmp_path / "run"))
 
 
 def _actor_state(trainer, rank):
@@ -383,3 +392,69 @@ def test_a_kill_halfway_through_a_transition_leaves_the_old_committed_state_usab
     cfg = load_config(TINY_GRPO, [*SMALL, *TWO, f"run_dir={run_dir}"])
     restarted, how = plan_for_start(cfg, staged.manifest(1).plan, 2)
     assert restarted.plan == cfg.plan and how == "the restored state's plan"  # the old plan: the move never committed
+
+
+def _st(mode: int, uid: int) -> os.stat_result:
+    return os.stat_result((mode, 1, 1, 1, uid, 0, 0, 0, 0, 0))
+
+
+def test_a_staging_dir_is_used_only_when_this_user_owns_it_and_no_one_else_can_write_it():
+    import stat
+
+    from nereus.trainer.elastic.staging import dir_refusal, parent_refusal
+
+    d = stat.S_IFDIR
+    assert dir_refusal("/dev/shm/s", _st(d | 0o700, 4242), 4242) is None
+    assert dir_refusal("/dev/shm/s", _st(d | 0o755, 4242), 4242) is None  # readable only: narrowed to 0700 when opened
+    assert "/dev/shm/s is owned by uid 12345, not by this user" in dir_refusal("/dev/shm/s", _st(d | 0o700, 12345), 4242)
+    assert "writable by group and other (mode 0777)" in dir_refusal("/dev/shm/s", _st(d | 0o777, 4242), 4242)
+    assert "writable by group (mode 0770)" in dir_refusal("/dev/shm/s", _st(d | 0o770, 4242), 4242)
+    assert "is a symlink (owned by uid 4242)" in dir_refusal("/dev/shm/s", _st(stat.S_IFLNK | 0o777, 4242), 4242)
+    assert "is not a directory" in dir_refusal("/dev/shm/s", _st(stat.S_IFREG | 0o600, 4242), 4242)
+    assert parent_refusal("/dev/shm", _st(d | 0o1777, 0), 4242) is None  # root's, sticky: nobody swaps our entry
+    assert "without the sticky bit (mode 0777)" in parent_refusal("/x", _st(d | 0o777, 0), 4242)
+    assert "/x is owned by uid 12345" in parent_refusal("/x", _st(d | 0o755, 12345), 4242)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chowns a dir to another uid: needs root (the pure owner check above runs anywhere)")
+def test_another_users_a_loose_or_a_linked_staging_dir_is_refused_and_left_as_it_is(tmp_path, shm_dir, monkeypatch):
+    """Run as root here: a dir chowned to uid 12345, a 0777 one and a symlink are refused
+    (one line naming the path and its owner; nothing created in them, nothing cleared); a new
+    one is made 0700 with meta/ and data/ 0700; `nereus train` with staging on refuses the
+    bad one before anything is written (no run dir)."""
+    from typer.testing import CliRunner
+
+    from nereus.cli.app import app
+    from nereus.trainer.elastic.staging import STAGING_ENV, clear_staging, open_staging_dir
+
+    os.mkdir(shm_dir, 0o700)
+    (open(os.path.join(shm_dir, "theirs"), "w")).close()
+    os.chown(shm_dir, 12345, 12345)
+    assert "owned by uid 12345, not by this user" in open_staging_dir(shm_dir)
+    clear_staging(shm_dir)
+    assert os.listdir(shm_dir) == ["theirs"]
+    run_dir = tmp_path / "run"
+    for env, sets in ((False, [f"elastic.staging_dir={shm_dir}"]), (True, [])):
+        if env:
+            monkeypatch.setenv(STAGING_ENV, shm_dir)
+        result = CliRunner().invoke(app, ["train", TINY_GRPO, "--run-dir", str(run_dir), "--max-restarts", "1",
+                                          *[a for s in [*SMALL, *sets] for a in ("--set", s)]])
+        assert result.exit_code == 2 and "owned by uid 12345" in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1 and not run_dir.exists()  # nothing written
+    monkeypatch.delenv(STAGING_ENV)
+    os.chown(shm_dir, 0, 0)
+    os.chmod(shm_dir, 0o777)
+    assert "writable by group and other (mode 0777)" in open_staging_dir(shm_dir)
+    os.chmod(shm_dir, 0o755)  # this user's, readable by others (an older Nereus's): narrowed
+    assert open_staging_dir(shm_dir) is None
+    modes = {p: os.stat(os.path.join(shm_dir, p)).st_mode & 0o7777 for p in (".", "meta", "data")}
+    assert modes == {".": 0o700, "meta": 0o700, "data": 0o700}
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    link = f"{shm_dir}-link"
+    os.symlink(target, link)
+    try:
+        assert f"staging dir {link} is a symlink" in open_staging_dir(link)
+        assert os.listdir(target) == []
+    finally:
+        os.unlink(link)

@@ -1,0 +1,387 @@
+"""Kill matrix: SIGKILL (or SIGSTOP) at a random moment inside each phase of a job, then check it.
+
+    python tools/bench_faults.py [--trials 5] [--phases step,save,stage,transition,resume,hang]
+                                 [--targets job,worker] [--seed 0] [--out bench_results/faults.json]
+
+As torchelastic tests its restarts and Orbax/DCP test that a save is atomic, but end to end:
+the job is ``nereus train`` on tiny_grpo's task, 2 CPU processes (actor.train FSDP over dp2,
+generation and the reference in tp2), 8 steps, durable checkpoints at steps 3 and 6 and the
+last, staging on (``--max-restarts 3``), ``elastic.collective_timeout_s`` 30 (its floor), and
+one live transition of actor.train (dp2·FSDP -> tp2, moving parameters and AdamW state
+between the ranks) after step 4 (``NEREUS_FORCE_PLAN``: the controller's own moves depend on
+what it measures, and a state-moving one cannot be had on cue). Every kill lands after the
+first durable checkpoint (step 3): ``nereus resume`` starts from a durable checkpoint (then
+prefers the node's newer staged copy), so a whole job killed before its first one is
+started again, not resumed.
+
+Landing a kill inside a phase: every worker marks the edges of its phases
+(``NEREUS_PHASE_LOG``, ``trainer/elastic/phases.py``: step, save, stage, transition,
+restore); the bench follows the file, waits for the chosen phase's start on a random rank,
+sleeps a random part of the first 80 % of that phase's duration on that rank in an unkilled
+run of the same job (the phase's median there), and
+kills: the whole job (``killpg``: launcher, its resource tracker, workers; then
+``nereus resume RUN --max-restarts 3``) or that one worker (its agent restarts the group).
+``resume``: a first kill mid-step, then the second inside the restore that follows it.
+``hang``: one worker SIGSTOPped mid-step (it neither dies nor answers): its peers' collectives
+time out, the agent stops the group and restarts it. A trial is "landed" when the phase's end
+was not marked before the signal.
+
+Per trial: the job completed to its last step (``completed``); ``dup``: steps logged more
+than once in metrics.jsonl; ``lost``: the newest step committed when the signal hit (durable
+or staged, read from the stores right after) minus the step the job restored (> 0: a
+committed step lost); ``recomputed``: the newest step logged before the signal minus the
+restored step (bar <= 1 with staging on); ``diff``: the largest |difference| of any actor
+parameter in the final checkpoint against the unkilled run's (the same plans at the same
+steps: 0 expected; the layout-invariance band of tests/trainer/runtime/test_layout_invariance.py,
+float32 reduction order, otherwise); ``shm``: files of the job left in /dev/shm afterwards
+(its staging dir, its agents' ``sem.nereus-<run id>-*`` semaphores); ``detect_s`` (hang):
+SIGSTOP -> the restarted workers' restore began (bar: collective_timeout_s + 30).
+
+Prints a table per phase, writes ``--out``, and ends with one JSON line: trials,
+jobs_completed, steps_duplicated, committed_steps_lost, max_steps_recomputed, hang_detect_s,
+final_weights_max_diff, shm_leaked_files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "tiny_grpo.yaml"
+STEPS, DURABLE, TRANSITION_AFTER, TIMEOUT_S, RESTARTS = 8, 3, 4, 30, 3
+PLAN = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.actor.gen.tp=2", "plan.ref.infer.dp=1",
+        "plan.ref.infer.tp=2"]
+FORCE = json.dumps({"actor": {"train": {"dp": 1, "tp": 2}}})
+PHASES = ("step", "save", "stage", "transition", "resume", "hang")
+TARGETS = ("job", "worker")
+CLI = [sys.executable, "-c", "from nereus.cli.app import main; main()"]
+
+
+def sets(staging_dir: str) -> list[str]:
+    return [*PLAN, f"steps={STEPS}", f"checkpoint_every={DURABLE}", "rollout.prompts_per_step=8", "grpo.minibatch_size=32",
+            "logging.trackers=[]", f"elastic.collective_timeout_s={TIMEOUT_S}", f"elastic.staging_dir={staging_dir}"]
+
+
+class Job:
+    """One trial's run dir, staging dir, phase log and the launches on them."""
+
+    def __init__(self, base: Path, name: str) -> None:
+        self.dir = base / name
+        self.run = self.dir / "run"
+        self.staging = f"/dev/shm/nereus-bench-{uuid.uuid4().hex[:10]}"
+        self.phases = self.dir / "phases.jsonl"
+        self.dir.mkdir(parents=True)
+        self.env = {**os.environ, "NEREUS_PHASE_LOG": str(self.phases), "NEREUS_FORCE_PLAN": f"{TRANSITION_AFTER}:{FORCE}"}
+        self.launches = 0
+        self._seen = 0
+        self.marks: list[dict] = []
+
+    def start(self, resume: bool = False) -> subprocess.Popen:
+        self.launches += 1
+        log = open(self.dir / f"launch{self.launches}.log", "w")
+        if resume:
+            cmd = [*CLI, "resume", str(self.run), "--max-restarts", str(RESTARTS)]
+        else:
+            cmd = [*CLI, "train", str(CONFIG), "--run-dir", str(self.run), "--max-restarts", str(RESTARTS),
+                   *[a for s in sets(self.staging) for a in ("--set", s)]]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+        log.close()
+        return proc
+
+    def read(self) -> list[dict]:
+        """Phase marks so far (the file grows while the job runs)."""
+        if self.phases.exists():
+            with open(self.phases) as f:
+                f.seek(self._seen)
+                chunk = f.read()
+            whole = chunk[: chunk.rfind("\n") + 1]
+            self._seen += len(whole.encode())
+            self.marks += [json.loads(line) for line in whole.splitlines() if line]
+        return self.marks
+
+    def wait_mark(self, ok, proc: subprocess.Popen, deadline: float) -> dict | None:
+        while time.monotonic() < deadline and proc.poll() is None:
+            for m in self.read():
+                if ok(m):
+                    return m
+            time.sleep(0.002)
+        return None
+
+    def log_text(self) -> str:
+        return "".join((self.dir / f"launch{i}.log").read_text(errors="replace") for i in range(1, self.launches + 1))
+
+
+def metrics(run: Path) -> list[dict]:
+    out = []
+    if (run / "metrics.jsonl").exists():
+        for line in (run / "metrics.jsonl").read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def committed(job: Job) -> int | None:
+    """The newest step committed now, durable or staged (read through the stores)."""
+    from nereus.store.checkpoint import CheckpointStore
+
+    steps = []
+    for root in (str(job.run / "checkpoints"), job.staging):
+        if os.path.isdir(os.path.join(root, "meta")):
+            try:
+                steps += CheckpointStore(root).steps()
+            except Exception:  # noqa: BLE001 - a store being written: read what is committed, else nothing
+                pass
+    return max(steps) if steps else None
+
+
+def final_actor(run: Path) -> tuple[int, dict]:
+    """The final durable checkpoint's actor parameters, whole, read from its box files."""
+    import torch
+
+    from nereus.reshard.layout import DTYPES
+    from nereus.store.checkpoint import CheckpointStore, qualify
+
+    store = CheckpointStore(str(run / "checkpoints"))
+    m = store.manifest()
+    shapes = {t.name: (t.shape, t.dtype) for e in m.emus for t in qualify(e).tensors}
+    out: dict = {}
+    for f in m.files:
+        if not f.tensor.startswith("actor/") or "/optim/" in f.tensor:
+            continue
+        shape, dtype = shapes[f.tensor]
+        full = out.setdefault(f.tensor, torch.zeros(shape, dtype=DTYPES[dtype]))
+        raw = (Path(store.path) / m.data / f.path).read_bytes()
+        box = torch.frombuffer(bytearray(raw), dtype=DTYPES[f.dtype]).reshape(f.lengths)
+        full[tuple(slice(o, o + n) for o, n in zip(f.offsets, f.lengths))] = box
+    return m.step, out
+
+
+def shm_left(job: Job) -> list[str]:
+    from nereus.launch import stale_semaphores
+    from nereus.trainer.elastic.staging import run_id
+
+    left = stale_semaphores(run_id(str(job.run)))
+    return left + ([job.staging] if os.path.lexists(job.staging) else [])
+
+
+def durations(marks: list[dict]) -> dict[str, float]:
+    """Median duration of each phase on each rank, keyed ``phase/rank`` (an unkilled run's marks)."""
+    started, took = {}, {}
+    for m in marks:
+        key = (m["phase"], m["rank"], m["step"])
+        if m["edge"] == "start":
+            started[key] = m["t"]
+        elif key in started:
+            took.setdefault(f"{m['phase']}/{m['rank']}", []).append(m["t"] - started.pop(key))
+    return {name: statistics.median(v) for name, v in sorted(took.items())}
+
+
+def finish(job: Job, proc: subprocess.Popen, deadline: float) -> int:
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        return -1
+
+
+def kill_group(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    if sig == signal.SIGKILL:
+        proc.wait(timeout=60)
+
+
+def reference(base: Path) -> dict:
+    job = Job(base, "reference")
+    t0 = time.monotonic()
+    rc = finish(job, job.start(), time.monotonic() + 600)
+    if rc != 0:
+        raise SystemExit(f"the unkilled reference run failed (exit {rc}):\n{job.log_text()[-3000:]}")
+    step, actor = final_actor(job.run)
+    return {"durations": durations(job.read()), "actor": actor, "step": step, "wall_s": time.monotonic() - t0,
+            "shm": shm_left(job)}
+
+
+def cue(phase: str, target: str, rng: random.Random) -> tuple[str, int | None]:
+    """The phase whose start is waited for and at which step (None: the first)."""
+    if phase in ("step", "hang", "resume"):
+        return "step", rng.randint(TRANSITION_AFTER + 1, 2 * DURABLE)  # a durable checkpoint exists: `nereus resume` runs
+    if phase == "save":
+        return "save", 2 * DURABLE if target == "job" else rng.choice([DURABLE, 2 * DURABLE])
+    if phase == "stage":
+        return "stage", rng.randint(TRANSITION_AFTER + 1, 2 * DURABLE)
+    return "transition", TRANSITION_AFTER
+
+
+def strike(job: Job, proc: subprocess.Popen, mark: dict, window: float, target: str, rng: random.Random,
+           sig=signal.SIGKILL) -> dict:
+    """Sleep a random part of ``window`` after ``mark``, then signal the job or its worker."""
+    time.sleep(max(0.0, mark["t"] + rng.uniform(0.0, window) - time.time()))
+    before = metrics(job.run)
+    if target == "job":
+        kill_group(proc)
+    else:
+        os.kill(mark["pid"], sig)
+    t = time.time()
+    ended = any(m["phase"] == mark["phase"] and m["step"] == mark["step"] and m["pid"] == mark["pid"] and m["edge"] == "end"
+                and m["t"] < t for m in job.read())
+    return {"t": t, "landed": not ended, "logged": max((r["step"] for r in before), default=0), "committed": committed(job)}
+
+
+def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: random.Random) -> dict:
+    name = f"{phase}-{target}-{index}"
+    job = Job(base, name)
+    t0 = time.monotonic()
+    deadline = t0 + 480
+    proc = job.start()
+    out: dict = {"phase": phase, "target": target, "trial": index}
+    wait_phase, at = cue(phase, target, rng)
+    rank = rng.randrange(2)
+    mark = job.wait_mark(lambda m: m["phase"] == wait_phase and m["edge"] == "start" and m["rank"] == rank
+                         and (at is None or m["step"] == at), proc, deadline)
+    if mark is None:
+        out["error"] = f"never saw {wait_phase} start at step {at}"
+    else:
+        window = 0.8 * ref["durations"].get(f"{wait_phase}/{rank}", 0.05)
+        if phase == "hang":
+            hit = strike(job, proc, mark, window, "worker", rng, signal.SIGSTOP)
+            old = {m["pid"] for m in job.read()}
+            back = job.wait_mark(lambda m: m["pid"] not in old and m["phase"] == "restore", proc, deadline)
+            out["detect_s"] = (back["t"] - hit["t"]) if back else None
+            if back is None:
+                os.kill(mark["pid"], signal.SIGCONT)
+        else:
+            hit = strike(job, proc, mark, window, target, rng)
+            if phase == "resume":  # the second kill, inside the restore the first one caused
+                seen = {m["pid"] for m in job.read()}
+                proc = job.start(resume=True) if target == "job" else proc
+                again = job.wait_mark(lambda m: m["phase"] == "restore" and m["edge"] == "start" and m["pid"] not in seen
+                                      and m["rank"] == rank, proc, deadline)
+                if again is None:
+                    out["error"] = "never saw the restore start"
+                else:
+                    second = strike(job, proc, again, 0.8 * ref.get("restore_s", 0.3), target, rng)
+                    hit = {**hit, "landed": second["landed"]}
+        out.update(landed=hit["landed"], logged=hit["logged"], committed=hit["committed"])
+        if target == "job" and phase != "hang":
+            proc = job.start(resume=True)
+    rc = finish(job, proc, deadline)
+    rows = metrics(job.run)
+    steps = [r["step"] for r in rows]
+    restores = [json.loads(line) for line in (job.run / "restores.jsonl").read_text().splitlines()] \
+        if (job.run / "restores.jsonl").exists() else []
+    restored = min((r["step"] for r in restores), default=None) if restores else None
+    out.update(rc=rc, completed=rc == 0 and steps[-1:] == [STEPS], dup=len(steps) - len(set(steps)),
+               missing=sorted(set(range(1, STEPS + 1)) - set(steps)), restores=[(r["source"], r["step"]) for r in restores])
+    if "committed" in out and restored is not None:
+        out["lost"] = max(0, (out["committed"] or 0) - restored)
+        out["recomputed"] = max(0, out["logged"] - restored)
+        if "restore_s" in restores[0]:
+            ref["restore_s"] = max(0.05, float(restores[0]["restore_s"]))  # the next resume trial's window
+    if out["completed"]:
+        step, actor = final_actor(job.run)
+        out["diff"] = max(float((actor[k] - ref["actor"][k]).abs().max()) for k in ref["actor"]) if step == ref["step"] else None
+    out["shm"] = shm_left(job)
+    out["wall_s"] = time.monotonic() - t0
+    if not out["completed"]:
+        out["log_tail"] = job.log_text()[-2500:]
+    shutil.rmtree(job.staging, ignore_errors=True)
+    return out
+
+
+def table(results: list[dict]) -> None:
+    cols = ("target", "trial", "landed", "completed", "dup", "lost", "recomputed", "diff", "shm", "detect_s", "restores", "wall_s")
+    for phase in PHASES:
+        rows = [r for r in results if r["phase"] == phase]
+        if not rows:
+            continue
+        print(f"\n{phase}")
+        print("  " + "  ".join(f"{c:>10}" for c in cols))
+        for r in rows:
+            cells = []
+            for c in cols:
+                v = r.get(c)
+                v = len(v) if c == "shm" else v
+                cells.append(f"{v:>10.3g}" if isinstance(v, float) else f"{str(v):>10}")
+            print("  " + "  ".join(cells) + (f"  error: {r['error']}" if "error" in r else ""))
+
+
+def summary(results: list[dict]) -> dict:
+    diffs = [r["diff"] for r in results if r.get("diff") is not None]
+    detects = [r["detect_s"] for r in results if r.get("detect_s") is not None]
+    hangs = [r for r in results if r["phase"] == "hang"]
+    return {
+        "trials": len(results),
+        "jobs_completed": sum(r["completed"] for r in results),
+        "steps_duplicated": sum(r["dup"] for r in results),
+        "committed_steps_lost": sum(r.get("lost", 0) for r in results),
+        "max_steps_recomputed": max((r.get("recomputed", 0) for r in results), default=0),
+        "hang_detect_s": (max(detects) if len(detects) == len(hangs) else None) if hangs else None,
+        "final_weights_max_diff": max(diffs) if diffs else None,
+        "shm_leaked_files": sum(len(r["shm"]) for r in results),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5, help="trials per phase and target")
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {','.join(PHASES)}")
+    parser.add_argument("--targets", default=",".join(TARGETS), help="job (the whole process group), worker (one worker)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "bench_results" / "faults.json"))
+    args = parser.parse_args()
+    phases = [p for p in args.phases.split(",") if p]
+    targets = [t for t in args.targets.split(",") if t]
+    bad = [p for p in phases if p not in PHASES] + [t for t in targets if t not in TARGETS]
+    if bad or args.trials < 1:
+        raise SystemExit(f"error: unknown phase or target {bad}, or --trials < 1 (phases: {PHASES}; targets: {TARGETS})")
+    rng = random.Random(args.seed)
+    base = Path(tempfile.mkdtemp(prefix="nereus-faults-"))
+    t0 = time.monotonic()
+    ref = reference(base)
+    print(f"reference: {ref['wall_s']:.1f}s, phase medians (phase/rank): "
+          + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(ref["durations"].items())), flush=True)
+    results = []
+    for phase in phases:
+        for target in (["worker"] if phase == "hang" else targets):
+            for i in range(args.trials):
+                r = trial(base, ref, phase, target, i, rng)
+                results.append(r)
+                print(f"  {phase:>10} {target:>6} #{i}: completed={r['completed']} landed={r.get('landed')} "
+                      f"dup={r['dup']} lost={r.get('lost')} recomputed={r.get('recomputed')} diff={r.get('diff')} "
+                      f"shm={len(r['shm'])} detect_s={r.get('detect_s')} ({r['wall_s']:.0f}s)"
+                      + (f" error={r['error']}" if "error" in r else ""), flush=True)
+    table(results)
+    out = summary(results)
+    bars = {"steps_duplicated": out["steps_duplicated"] == 0, "committed_steps_lost": out["committed_steps_lost"] == 0,
+            "max_steps_recomputed": out["max_steps_recomputed"] <= 1, "shm_leaked_files": out["shm_leaked_files"] == 0,
+            "jobs_completed": out["jobs_completed"] == out["trials"],
+            "hang_detect_s": out["hang_detect_s"] is None or out["hang_detect_s"] <= TIMEOUT_S + 30}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"summary": out, "bars": bars, "collective_timeout_s": TIMEOUT_S,
+                                          "wall_s": time.monotonic() - t0, "trials": results,
+                                          "reference": {"durations": ref["durations"], "wall_s": ref["wall_s"]}}, indent=1))
+    verdicts = ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in bars.items())
+    print(f"\nbars: {verdicts}; {time.monotonic() - t0:.0f}s; {args.out}")
+    shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
