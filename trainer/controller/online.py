@@ -241,14 +241,50 @@ class Controller:
         return out
 
     def decide(self, cfg: JobConfig, metrics: dict | None = None, *, nproc: int | None = None) -> Decision | None:
-        """The decision before the coming step, or None when nothing triggered."""
+        """The decision before the coming step, or None when nothing triggered. By phase: what
+        triggered (:meth:`_triggers`), the candidates (:meth:`_candidates`), the first whose move
+        fits the budget (:meth:`_fitting_move`), then admission (:meth:`_admit`)."""
         t0 = time.perf_counter()
         work = Workload.observed(cfg, self.lengths, prompt_mean=self.prompt_mean)  # the coming step: does the running plan fit it?
         ahead_steps = min(self.settings.lookahead, max(cfg.steps - self.step, 1))
         ahead = Workload.observed(cfg, self.lengths, ahead=ahead_steps, prompt_mean=self.prompt_mean)
-        where = Placement(nproc=cfg.nproc, profile=self.profile)
-        triggers, urgent = [], False
         budget = device_budget(cfg, self.profile)
+        triggers, urgent, signals, drifted = self._triggers(cfg, metrics, nproc, work, budget)
+        if not triggers:
+            return None
+        self.watch.reset(signals)  # before pricing: a decision that raises does not fire again
+        where = Placement(nproc=cfg.nproc, profile=self.profile)
+        old_stages = plan_seconds(cfg, cfg.plan, ahead, where, self.model)  # (pure: priced once a trigger fired)
+        old = sum(old_stages.values())
+        # H (admission): the drifts' mean gap, at least the lookahead a plan is chosen to fit
+        horizon = max([self.watch.horizon(n) for n in drifted] + [float(ahead_steps)])
+        common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
+        ms = lambda: (time.perf_counter() - t0) * 1e3  # noqa: E731
+        plans, error = self._candidates(cfg, work, ahead, "infeasible" in triggers)
+        if error is not None:
+            return self._decided(Decision(**common, admitted=False, reason=f"no plan fits: {error}", new_plan=None, new_seconds=None,
+                                          gain_seconds=0.0, transition_seconds=None, decision_ms=ms()))
+        if plan_key(plans[0].plan) == plan_key(cfg.plan):
+            return self._decided(Decision(**common, admitted=False, reason="the running plan is the best", new_plan=None,
+                                          new_seconds=old, gain_seconds=0.0, transition_seconds=None, decision_ms=ms()))
+        price = lambda choice: self.transitions.cost(cfg, cfg.plan, choice.plan, budget=int(budget) if budget else None)  # noqa: E731
+        # urgent: it must move, to the plan cheapest over the lookahead with its transition
+        # included, not one just left while another remains; else the fastest
+        ranked = self._cheapest(plans, ahead_steps=ahead_steps, price=price) if urgent else [(c, None) for c in plans]
+        best, cost, moving, held = self._fitting_move(cfg, ranked, budget)
+        if held is not None:  # none of them
+            return self._decided(Decision(**common, admitted=False, new_plan=config_to_dict(best.plan),
+                                          new_seconds=best.seconds, gain_seconds=old - best.seconds,
+                                          transition_seconds=(cost or price(best)).seconds, decision_ms=ms(),
+                                          reason=f"no better plan's transition fits the budget (old and new state held: {gib(held)} GiB)"))
+        return self._admit(cfg, common, old_stages, best, cost or price(best), moving, t0)
+
+    def _triggers(self, cfg: JobConfig, metrics: dict | None, nproc: int | None, work: Workload,
+                  budget: float | None) -> tuple[list[str], bool, dict[str, float], list[str]]:
+        """(triggers, urgent, signals, drifted names): the running plan over the budget for the
+        coming step, a changed world, a drift of the watched signals, or the first step seen. The
+        first measured step of a new plan rebases the watched shares."""
+        triggers, urgent = [], False
         if budget is not None and self._peak(cfg, cfg.plan, work) > budget:
             triggers.append("infeasible")
             urgent = True
@@ -262,61 +298,55 @@ class Controller:
             self.watched = plan_key(cfg.plan)
         drifted = self.watch.check(self.step, signals)
         triggers += [f"drift:{name}" for name in drifted] + (["first"] if first else [])
-        if not triggers:
-            return None
-        self.watch.reset(signals)  # before pricing: a decision that raises does not fire again
-        old_stages = plan_seconds(cfg, cfg.plan, ahead, where, self.model)  # (pure: priced once a trigger fired)
-        old = sum(old_stages.values())
-        # H (admission): the drifts' mean gap, at least the lookahead a plan is chosen to fit
-        horizon = max([self.watch.horizon(n) for n in drifted] + [float(ahead_steps)])
-        common = dict(step=self.step, trigger=",".join(triggers), old_plan=config_to_dict(cfg.plan), old_seconds=old, horizon=horizon, urgent=urgent)
-        # over the budget: the running layouts' micro-batches, token budgets and recompute retune in place (no state moves)
-        retunes = self._retunes(cfg, ahead) if "infeasible" in triggers else []
+        return triggers, urgent, signals, drifted
+
+    def _candidates(self, cfg: JobConfig, work: Workload, ahead: Workload, infeasible: bool) -> tuple[list[PlanChoice], ConfigError | None]:
+        """(plans fastest first, the search's error): the search over the lookahead, with, when the
+        running plan is over the budget, its in-place retunes (micro-batches, token budgets,
+        recompute: no state moves). Nothing fits the lookahead: the retunes that fit the coming
+        step; none of those either: no plans, and the error."""
+        retunes = self._retunes(cfg, ahead) if infeasible else []
         try:
             plans = search(cfg, ahead, self.profile, self.model, fit=self.memory, top=12).plans
-        except ConfigError as e:  # nothing fits the lookahead: a retune that fits the coming step, or the running plan goes on
-            retunes = retunes or (self._retunes(cfg, work) if "infeasible" in triggers else [])
+        except ConfigError as e:
+            retunes = retunes or (self._retunes(cfg, work) if infeasible else [])
             if not retunes:
-                return self._decided(Decision(**common, admitted=False, reason=f"no plan fits: {e}", new_plan=None, new_seconds=None,
-                                              gain_seconds=0.0, transition_seconds=None, decision_ms=(time.perf_counter() - t0) * 1e3))
+                return [], e
             plans = []
         if retunes:
             searched = {plan_key(c.plan) for c in plans}
             plans = sorted(plans + [r for r in retunes if plan_key(r.plan) not in searched], key=lambda c: c.seconds)
-        best = plans[0]
-        if plan_key(best.plan) == plan_key(cfg.plan):
-            return self._decided(Decision(**common, admitted=False, reason="the running plan is the best", new_plan=None,
-                                          new_seconds=old, gain_seconds=0.0, transition_seconds=None,
-                                          decision_ms=(time.perf_counter() - t0) * 1e3))
-        price = lambda choice: self.transitions.cost(cfg, cfg.plan, choice.plan, budget=int(budget) if budget else None)  # noqa: E731
-        # urgent: it must move, to the plan cheapest over the lookahead with its transition
-        # included, not one just left while another remains; else the fastest
-        ranked = self._cheapest(plans, ahead_steps=ahead_steps, price=price) if urgent else [(c, None) for c in plans]
+        return plans, None
+
+    def _fitting_move(self, cfg: JobConfig, ranked: list, budget: float | None) -> tuple[PlanChoice, object, float | None, float | None]:
+        """(choice, its transition cost or None, the bytes a rank holds while it moves or None,
+        None) for the first of ``ranked`` whose move fits the budget (while a stage moves, its old
+        and new state are both held; the running plan is skipped: no better one's does); when none
+        does, the first of ``ranked`` and the bytes held by the first move tried, last."""
         best, cost = ranked[0]
-        moving = None  # the bytes a rank holds while the plan moves (computed when needed)
-        if budget is not None:  # while a stage moves, its old and new state are both held
-            held = None
-            for choice, choice_cost in ranked:  # the first whose move fits (not the running plan: no better one's does)
-                if plan_key(choice.plan) == plan_key(cfg.plan):
-                    continue
-                moving = self._move_peak(cfg, choice.plan)
-                held = held or moving * HEADROOM
-                if moving * HEADROOM <= budget:
-                    best, cost = choice, choice_cost
-                    break
-            else:
-                return self._decided(Decision(**common, admitted=False, new_plan=config_to_dict(best.plan),
-                                              new_seconds=best.seconds, gain_seconds=old - best.seconds,
-                                              transition_seconds=(cost or price(best)).seconds, decision_ms=(time.perf_counter() - t0) * 1e3,
-                                              reason=f"no better plan's transition fits the budget (old and new state held: {gib(held or 0)} GiB)"))
-        cost = cost or price(best)
-        steps_left = max(cfg.steps - self.step, 0)
+        if budget is None:
+            return best, cost, None, None
+        moving, held = None, None
+        for choice, choice_cost in ranked:
+            if plan_key(choice.plan) == plan_key(cfg.plan):
+                continue
+            moving = self._move_peak(cfg, choice.plan)
+            held = held or moving * HEADROOM
+            if moving * HEADROOM <= budget:
+                return choice, choice_cost, moving, None
+        return best, cost, moving, held or 0
+
+    def _admit(self, cfg: JobConfig, common: dict, old_stages: dict[str, float], best: PlanChoice, cost, moving: float | None,
+               t0: float) -> Decision:
+        """Admission of a move to ``best`` at transition ``cost``; an admitted move records the plan
+        it leaves (hysteresis) and what the transition is expected to take (``pending``)."""
+        old = common["old_seconds"]
         running = cfg.plan.stages()
         changed = {k for k, sc in best.plan.stages().items() if running.get(k) != sc}
         ok, reason = admit(
-            urgent=urgent, old_seconds=old, new_seconds=best.seconds, transition_seconds=cost.seconds, horizon=horizon,
-            steps_left=steps_left, spread=difference_spread(old_stages, best.stage_seconds, self.band, changed, bands=self.bands), gamma=self.settings.gamma,
-            recently_left=self.step - self.left.get(plan_key(best.plan), -10**9) < self.settings.hysteresis,
+            urgent=common["urgent"], old_seconds=old, new_seconds=best.seconds, transition_seconds=cost.seconds, horizon=common["horizon"],
+            steps_left=max(cfg.steps - self.step, 0), spread=difference_spread(old_stages, best.stage_seconds, self.band, changed, bands=self.bands),
+            gamma=self.settings.gamma, recently_left=self.step - self.left.get(plan_key(best.plan), -10**9) < self.settings.hysteresis,
         )
         decision = Decision(**common, admitted=ok, reason=reason, new_plan=config_to_dict(best.plan), new_seconds=best.seconds,
                             gain_seconds=old - best.seconds, transition_seconds=cost.seconds,
