@@ -26,7 +26,6 @@ before starting any worker, so bad input is a one-line error, not a failure on N
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,8 +247,8 @@ def check_vocab_sizes(cfg: JobConfig, tokens: int) -> None:
       152,064 rows for 151,665 tokens) is its real V: those rows exist in its weights; a model
       from scratch beside such an actor (a critic reading its ids) may take the actor's V.
     """
-    def from_checkpoint(m) -> bool:  # m: a ModelConfig
-        return bool(m.path) and os.path.isfile(os.path.join(m.path, "config.json"))
+    def from_checkpoint(m) -> bool:  # m: a ModelConfig; its path may be on another machine
+        return bool(m.path)
 
     tokenizer = cfg.tokenizer.path or cfg.model.path
     actor = cfg.model.vocab_size if from_checkpoint(cfg.model) else None
