@@ -322,12 +322,17 @@ def table(results: list[dict]) -> None:
             print("  " + "  ".join(cells) + (f"  error: {r['error']}" if "error" in r else ""))
 
 
+WEIGHTS_BAND = 1e-5
+"""The float32 layout-invariance band (docs/correctness.md): a killed run's end weights against the unkilled one."""
+
+
 def summary(results: list[dict]) -> dict:
     diffs = [r["diff"] for r in results if r.get("diff") is not None]
     detects = [r["detect_s"] for r in results if r.get("detect_s") is not None]
     hangs = [r for r in results if r["phase"] == "hang"]
     return {
         "trials": len(results),
+        "trials_landed": sum(bool(r.get("landed")) for r in results),
         "jobs_completed": sum(r["completed"] for r in results),
         "steps_duplicated": sum(r["dup"] for r in results),
         "committed_steps_lost": sum(r.get("lost", 0) for r in results),
@@ -372,7 +377,11 @@ def main() -> None:
     bars = {"steps_duplicated": out["steps_duplicated"] == 0, "committed_steps_lost": out["committed_steps_lost"] == 0,
             "max_steps_recomputed": out["max_steps_recomputed"] <= 1, "shm_leaked_files": out["shm_leaked_files"] == 0,
             "jobs_completed": out["jobs_completed"] == out["trials"],
-            "hang_detect_s": out["hang_detect_s"] is None or out["hang_detect_s"] <= TIMEOUT_S + 30}
+            "trials_landed": out["trials_landed"] == out["trials"],  # a fault that missed its phase is no trial
+            "final_weights_max_diff": out["final_weights_max_diff"] is not None and out["final_weights_max_diff"] <= WEIGHTS_BAND,
+            # a hang trial that was never detected fails: None is not a pass
+            "hang_detect_s": not any(r["phase"] == "hang" for r in results)
+            or (out["hang_detect_s"] is not None and out["hang_detect_s"] <= TIMEOUT_S + 30)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"summary": out, "bars": bars, "collective_timeout_s": TIMEOUT_S,
                                           "wall_s": time.monotonic() - t0, "trials": results,
