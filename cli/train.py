@@ -147,21 +147,27 @@ def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from nereus.launch import launch_local, own_result, under_torchrun
+    from nereus.trainer.elastic.run_lock import RunDirBusy
     from nereus.trainer.elastic.staging import run_id
     from nereus.trainer.runtime.worker import run_worker
 
     check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)
     if under_torchrun():
-        last = run_worker(cfg, resume, overwrite)
+        try:
+            last = run_worker(cfg, resume, overwrite)
+        except RunDirBusy as e:  # a failed round (exit 1): torchrun's agent restarts it while it may
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
     else:
         try:
             last = own_result(launch_local(run_worker, cfg.nproc, cfg, resume, overwrite, locked,
                                            run_id=rdzv_id or f"nereus-train-{uuid.uuid4().hex[:8]}", nnodes=nnodes,
                                            max_restarts=max_restarts, rdzv_endpoint=rdzv_endpoint,
                                            collective_timeout_s=cfg.elastic.collective_timeout_s,
-                                           last_call_s=cfg.elastic.last_call_s, shm_tag=run_id(cfg.run_dir)))
+                                           last_call_s=cfg.elastic.last_call_s, shm_tag=run_id(cfg.run_dir),
+                                           one_line_errors=(RunDirBusy,)))
         except ChildFailedError as e:
-            typer.echo(f"error: workers failed after {max_restarts} restart(s): {e.get_first_failure()[1].message}", err=True)
+            typer.echo(f"error: workers failed after {max_restarts} restart(s): {failure_line(e)}", err=True)
             raise typer.Exit(1) from None
         except ValueError as e:
             typer.echo(f"error: {e}", err=True)
@@ -171,6 +177,16 @@ def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv
         raise typer.Exit(1)
     typer.echo(json.dumps({k: last[k] for k in ("step", "reward_mean", "kl", "tokens_per_s") if k in last}))
     typer.echo(f"metrics: {Path(cfg.run_dir) / 'metrics.jsonl'}")
+
+
+def failure_line(e) -> str:
+    """The first failed worker's error of a ``ChildFailedError``, in one line: the error
+    file's ``message`` (``ExcType: text``; never the callstack torch keeps beside it), a
+    worker's ``RunDirBusy`` without its class name."""
+    message = e.get_first_failure()[1].message
+    if isinstance(message, dict):  # {"message": "ExcType: text", "extraInfo": {"py_callstack": ..., ...}}
+        message = message.get("message", "<N/A>")
+    return " ".join(str(message).removeprefix("RunDirBusy: ").split())
 
 
 def check_launch(nnodes: str, max_restarts: int, rdzv_endpoint: str | None, rdzv_id: str | None = None) -> None:

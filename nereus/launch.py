@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import socket
 from typing import Any, Callable, Iterator
@@ -216,9 +217,51 @@ def remove_stale_semaphores(tag: str, shm: str = SHM) -> list[str]:
     return gone
 
 
+AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class OneLineFailures(logging.Filter):
+    """On the agent's log of a failed worker (``logger.exception`` with the worker's whole
+    traceback): when the worker's error is one of ``names`` (``module.Class``: errors whose
+    message says all, e.g. ``RunDirBusy``), the traceback is dropped and the error's line
+    appended instead; every other failure is logged as torch logs it."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and self.names:
+            last = next((line for line in reversed(str(error).splitlines()) if line.strip()), "")
+            for name in self.names:
+                if last.startswith(f"{name}: "):
+                    record.msg = f"{record.msg}: %s"
+                    record.args = (*(record.args or ()), last[len(name) + 2:])
+                    record.exc_info, record.exc_text = None, None
+                    break
+        return True
+
+
+@contextlib.contextmanager
+def one_line_failures(errors: tuple[type, ...]) -> Iterator[None]:
+    """Meanwhile the agent logs a worker that failed with one of ``errors`` in one line
+    (``OneLineFailures``)."""
+    if not errors:
+        yield
+        return
+    log = logging.getLogger(AGENT_LOGGER)
+    quiet = OneLineFailures(tuple(f"{e.__module__}.{e.__qualname__}" for e in errors))
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "nereus", nnodes: str = "1",
                  max_restarts: int = 0, rdzv_endpoint: str | None = None, collective_timeout_s: float = 300.0,
-                 last_call_s: int = 30, shm_tag: str | None = None) -> dict[int, Any]:
+                 last_call_s: int = 30, shm_tag: str | None = None, one_line_errors: tuple[type, ...] = ()) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nproc`` local processes (per node); returns this node's ranks'
     return values by global rank (of the last attempt, when the agent restarted them).
     Several nodes meet under ``run_id``, which must then be the same on every node.
@@ -227,6 +270,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "
     initialise the process group from the environment (``init_method="env://"``). A job
     whose workers still fail after ``max_restarts`` restarts raises the launcher's
     ``ChildFailedError``. ``shm_tag``: the agent's semaphores are named by it (module docstring).
+    ``one_line_errors``: worker exceptions the agent logs in one line, without their traceback.
     """
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -249,7 +293,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "
     )
     publish_store_every_round()
     try:
-        with named_semaphores(shm_tag):
+        with named_semaphores(shm_tag), one_line_failures(one_line_errors):
             return elastic_launch(config, fn)(*args)
     finally:  # this launch's round must not reach what this process starts later
         os.environ.pop(RDZV_ROUND_ENV, None)

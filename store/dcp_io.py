@@ -269,7 +269,9 @@ def tighten(top: str, seen: set[str]) -> None:
 
 
 def makedirs_private(path: str) -> None:
-    """``os.makedirs`` with every directory it creates 0700 (``os.makedirs``' mode reaches only the leaf)."""
+    """``os.makedirs`` with every directory it creates exactly 0700 whatever the umask
+    (``os.makedirs``' mode reaches only the leaf, and the umask only removes bits: a umask
+    of 0o277 would leave 0500); a directory that was already there is left as it is."""
     parent = os.path.dirname(path.rstrip("/"))
     if parent and parent != path and not os.path.isdir(parent):
         makedirs_private(parent)
@@ -278,6 +280,25 @@ def makedirs_private(path: str) -> None:
     except FileExistsError:
         if not os.path.isdir(path):
             raise
+        return
+    private_mode(path)
+
+
+def private_mode(path: str) -> None:
+    """Set the directory ``path`` (just made by this process) to exactly 0700, through a
+    descriptor opened without following a link; one the umask left unreadable to its owner
+    is changed by name, once ``lstat`` says it is a directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except PermissionError:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            os.chmod(path, PRIVATE_DIR)
+        return
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != PRIVATE_DIR:
+            os.fchmod(fd, PRIVATE_DIR)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(fs: fsspec.AbstractFileSystem, path: str) -> None:

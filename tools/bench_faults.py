@@ -80,7 +80,7 @@ class Job:
     def __init__(self, base: Path, name: str) -> None:
         self.dir = base / name
         self.run = self.dir / "run"
-        self.staging = f"/dev/shm/nereus-bench-{uuid.uuid4().hex[:10]}"
+        self.staging = f"/dev/shm/nereus-bench-{uuid.uuid4().hex[:10]}"  # the base: the run stages in nereus-<run id> there
         self.phases = self.dir / "phases.jsonl"
         self.dir.mkdir(parents=True)
         self.env = {**os.environ, "NEREUS_PHASE_LOG": str(self.phases), "NEREUS_FORCE_PLAN": f"{TRANSITION_AFTER}:{FORCE}"}
@@ -139,7 +139,7 @@ def committed(job: Job) -> int | None:
     from nereus.store.checkpoint import CheckpointStore
 
     steps = []
-    for root in (str(job.run / "checkpoints"), job.staging):
+    for root in (str(job.run / "checkpoints"), staged_dir(job)):
         if os.path.isdir(os.path.join(root, "meta")):
             try:
                 steps += CheckpointStore(root).steps()
@@ -170,12 +170,19 @@ def final_actor(run: Path) -> tuple[int, dict]:
     return m.step, out
 
 
+def staged_dir(job: Job) -> str:
+    """The run's own staging dir: ``nereus-<run id>`` in the job's staging base."""
+    from nereus.trainer.elastic.staging import run_id
+
+    return os.path.join(job.staging, f"nereus-{run_id(str(job.run))}")
+
+
 def shm_left(job: Job) -> list[str]:
     from nereus.launch import stale_semaphores
     from nereus.trainer.elastic.staging import run_id
 
     left = stale_semaphores(run_id(str(job.run)))
-    return left + ([job.staging] if os.path.lexists(job.staging) else [])
+    return left + ([staged_dir(job)] if os.path.lexists(staged_dir(job)) else [])
 
 
 def durations(marks: list[dict]) -> dict[str, float]:

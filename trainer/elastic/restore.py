@@ -67,11 +67,11 @@ def fresh_run_dir(run_dir: str, overwrite: bool) -> str | None:
 
 def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> dict:
     """Collective, right after the process group forms: ``{"restoring", "restart",
-    "lineage", "error"}``, decided by rank 0 and the same on every rank. ``restart``:
+    "lineage", "error", "busy"}``, decided by rank 0 and the same on every rank. ``restart``:
     ``is_restart``; ``restoring``: ``resume`` or a restart; ``lineage``: the launch's
     published lineage on a restart, a new one on a fresh start. ``lock`` (rank 0's, when
     the launcher does not hold the run dir's: ``run_lock.RunLock``) is taken first; a live
-    job's is the error. A fresh start clears every node's staged copies (its local rank 0);
+    job's is the error (``busy`` True: ``run_worker`` raises it on every rank). A fresh start clears every node's staged copies (its local rank 0);
     with ``overwrite`` not None (the launcher left the run dir to the workers: under
     torchrun, several nodes) rank 0 also refuses an earlier run's checkpoints or deletes
     them (``fresh_run_dir``) — never on a restart."""
@@ -82,19 +82,21 @@ def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> 
     if dist.get_rank() == 0:
         restart = is_restart()
         lineage = launch_lineage() if restart else None
-        error = None
+        error, busy = None, False
         if lock is not None:
             try:
                 lock.acquire(wait_same_job_s=SAME_JOB_WAIT_S)
             except (RunDirBusy, OSError) as e:
-                error = str(e) if isinstance(e, RunDirBusy) else f"cannot lock run dir {cfg.run_dir}: {e}"
+                busy = isinstance(e, RunDirBusy)
+                error = str(e) if busy else f"cannot lock run dir {cfg.run_dir}: {e}"
         if error is None and not (resume or restart) and overwrite is not None:
             try:
                 error = fresh_run_dir(cfg.run_dir, overwrite)
             except OSError as e:
                 error = f"cannot clear {cfg.run_dir}/checkpoints: {e}"
         decision[0] = {"restoring": bool(resume or restart), "restart": restart,
-                       "lineage": lineage if restart else (None if resume else new_lineage()), "error": error}
+                       "lineage": lineage if restart else (None if resume else new_lineage()), "error": error,
+                       "busy": busy}
     dist.broadcast_object_list(decision, src=0)
     out = decision[0]
     if not out["restoring"] and not out["error"]:

@@ -15,11 +15,22 @@ Who holds it:
   tell the job's first start from a node joining later, so global rank 0's worker takes it
   right after the process group forms (``restore.agree_start``, before its run-dir checks)
   and holds it until it exits; each round's rank 0 takes it again. Between two rounds nobody
-  holds it for a few seconds; the record names the job (the agent's
+  holds it for a few seconds; the record names the job (``job_identity`` of the agent's
   ``TORCHELASTIC_RUN_ID``), and a rank 0 finding it held by its own job (the previous
-  round's rank 0, still being stopped) waits up to ``SAME_JOB_WAIT_S`` for it. Across hosts
-  the lock holds where the shared filesystem implements ``flock`` between clients (NFSv4,
-  Lustre mounted ``-o flock``, GPFS); elsewhere it excludes jobs on one host only.
+  round's rank 0, still being stopped) waits up to ``SAME_JOB_WAIT_S`` for it
+  (``waits_for``). A busy run dir there is an exception on every rank (``RunDirBusy``: the
+  worker exits non-zero, the agent counts a failed round and restarts while it may, so a
+  lock a lost host's NFS client still holds is tried again; the last round's error names the
+  run dir and the holder in one line). Across hosts the lock holds where the shared
+  filesystem implements ``flock`` between clients (NFSv4, Lustre mounted ``-o flock``,
+  GPFS); elsewhere it excludes jobs on one host only.
+
+Same job: the rendezvous id is the job's identity only when the launch gave one. torchrun's
+default ``--rdzv-id`` is the literal ``none`` (and an empty one names nothing): every job
+launched without one would share it, so such a run id is no identity (``job_identity`` ->
+None, recorded as no job) and a holder is then always another job — no waiting, the round
+fails at once with ``RunDirBusy`` and the agent's restart is the retry. ``nereus train``
+always has one of its own (``--rdzv-id``, required on several nodes; a fresh uuid on one).
 
 The record (one JSON line: host, pid, start time, job) is written into the file once it is
 locked. A clean release unlinks the file while still holding it, then closes it; so an
@@ -44,8 +55,21 @@ SAME_JOB_WAIT_S = 30.0
 _READ_TRIES = 20  # a holder that just locked writes its record within milliseconds
 
 
+DEFAULT_RUN_IDS = frozenset({"", "none"})
+"""Run ids that name no job: torchrun's default ``--rdzv-id`` and an empty one (module docstring)."""
+
+
 class RunDirBusy(RuntimeError):
     """The run dir is locked by a live job (its message: one line naming the holder)."""
+
+
+def job_identity(run_id: str | None) -> str | None:
+    """The job a lock record names for the agent's run id ``run_id`` (pure): None for none,
+    an empty one or torchrun's default ``none`` (any case, blanks around it), which many
+    unrelated jobs share; else the id itself."""
+    if run_id is None or run_id.strip().lower() in DEFAULT_RUN_IDS:
+        return None
+    return run_id
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +97,14 @@ def parse_holder(text: str) -> Holder | None:
         return None
 
 
+def waits_for(holder: Holder | None, job: str | None) -> bool:
+    """Whether an acquirer of job ``job`` waits for a live ``holder`` (pure): only when both
+    name one job, and that job is an identity (``job_identity``: never torchrun's default
+    ``none`` or an empty id, which unrelated jobs share)."""
+    mine = job_identity(job)
+    return holder is not None and mine is not None and job_identity(holder.job) == mine
+
+
 def busy_message(run_dir: str, holder: Holder | None) -> str:
     """The one line a second job gets (pure)."""
     who = holder.describe() if holder else "a process that has not written its record yet"
@@ -85,7 +117,7 @@ def stale_message(run_dir: str, holder: Holder | None, *, alive: bool | None, jo
     its pid runs (None: another host, not known); ``job``: the taker's (its own job's
     previous round held it: a restart)."""
     who = holder.describe() if holder else "an unreadable record"
-    if holder is not None and job and holder.job == job:
+    if waits_for(holder, job):
         return f"nereus: run dir {run_dir}'s lock passes from this job's previous round ({who}) to this one"
     if alive is None:
         why = "its holder no longer holds it"
@@ -113,14 +145,15 @@ class RunLock:
     def __init__(self, run_dir: str, job: str | None = None) -> None:
         self.run_dir = os.path.abspath(run_dir)
         self.path = os.path.join(self.run_dir, LOCK_NAME)
-        self.job = job
+        self.job = job_identity(job)
+        """The job it is taken for (``job_identity``: None when the run id names no job)."""
         self.fd: int | None = None
         self.took_over: str | None = None
         """The stale holder's line, when this acquire took a dead holder's lock over."""
         self._made_dir = False
 
     def acquire(self, *, wait_same_job_s: float = 0.0) -> RunLock:
-        """Take the lock now; a holder of the same ``job`` is waited for up to
+        """Take the lock now; a holder of the same job (``waits_for``) is waited for up to
         ``wait_same_job_s``. A stale record is taken over (``took_over``, logged on stderr)."""
         if not os.path.isdir(self.run_dir):
             os.makedirs(self.run_dir, exist_ok=True)
@@ -133,7 +166,7 @@ class RunLock:
             except BlockingIOError:
                 holder = self._holder(fd)
                 os.close(fd)
-                if holder is not None and self.job and holder.job == self.job and time.monotonic() < deadline:
+                if waits_for(holder, self.job) and time.monotonic() < deadline:
                     time.sleep(0.2)
                     continue
                 self._forget_dir()

@@ -1,8 +1,9 @@
 """The memory-staged per-step state: where a node stages, what it holds, and the ``Stager`` that writes it.
 
 After every completed step the step's whole trainer state is staged in the node's shared
-memory (``elastic.staging_dir``, default ``/dev/shm/nereus-<run id>``; a tmpfs outlives the
-worker processes, so an agent's restart finds it). The staged copy *is* a checkpoint of the
+memory (``nereus-<run id>`` in ``elastic.staging_dir``, default ``/dev/shm``: every run its own
+dir, so runs sharing one base never touch each other's copies; a tmpfs outlives the worker
+processes, so an agent's restart finds it). The staged copy *is* a checkpoint of the
 store's own format (``store/checkpoint.py``): box files with CRC32C block checksums and a
 manifest committed last with a compare-and-swap — the parameters, fp32 masters and AdamW
 state as boxes; the step counter, the prompt sampler's position, the LR schedules' positions,
@@ -12,7 +13,7 @@ step stays the newest committed one. ``elastic.staging_keep`` (default 2) staged
 kept. Staging starts only when the node's free space holds ``staging_keep + 1`` copies of the
 state (else it is off, logged); a failed write (e.g. the tmpfs filled up) removes its partial
 data and turns staging off for the rest of the run (logged; training goes on); a run that
-finishes removes its staged copies.
+finishes removes its staged copies (its own ``nereus-<run id>`` only).
 
 Several nodes: each node stages its own part — every box one of its ranks holds, replicas
 included, so a rank finds all it holds on its own node — as a checkpoint of its own, written
@@ -34,11 +35,12 @@ under the step). Both figures land in the next step's metrics record (``staging`
 Only its owner reads it: the staging dir is created 0700 (and ``meta/``, ``data/`` in it),
 every file the store writes there 0600 (``store/checkpoint.py``: a root whose directory is
 0700 is private). On every open — the Stager's, a restore's, a fresh start's or a finished
-run's clean-up, the launcher's preflight — the dir (``NEREUS_STAGING_DIR``,
+run's clean-up, the launcher's preflight — the dir (under ``NEREUS_STAGING_DIR``,
 ``elastic.staging_dir`` or the default alike) is looked at without following a link, and
 refused, with one line naming it and its owner, when it is a symlink, not a directory, owned
-by another user than the effective uid, or writable by group or other; so is one whose
-existing parents another user could swap it in (owned by neither root nor this user, or
+by another user than the effective uid, or writable by group or other; so is one with an
+existing parent (each looked at with ``lstat``, from ``/`` down) that is a symlink or not a
+directory, or that another user could swap it in (owned by neither root nor this user, or
 group/other-writable without the sticky bit: ``/dev/shm`` itself is root's, sticky). A dir of
 this user's readable by others (an older Nereus's) is narrowed to 0700. A refused dir is
 never written to nor cleared. Each staged manifest is sealed under the run id
@@ -95,10 +97,17 @@ def node_staging_dir() -> str | None:
     return path
 
 
+def staging_base(cfg) -> str:
+    """The directory this node's runs stage under: ``NEREUS_STAGING_DIR``, else
+    ``elastic.staging_dir``, else ``/dev/shm`` (the system's, as its real path)."""
+    return node_staging_dir() or cfg.elastic.staging_dir or os.path.realpath(STAGING_BASE)
+
+
 def staging_root(cfg) -> str:
-    """Where this node stages: ``NEREUS_STAGING_DIR``, else ``elastic.staging_dir``, else
-    ``/dev/shm/nereus-<run id>``."""
-    return node_staging_dir() or cfg.elastic.staging_dir or os.path.join(STAGING_BASE, f"nereus-{run_id(cfg.run_dir)}")
+    """Where this run stages on this node: ``nereus-<run id>`` in ``staging_base`` — a dir of
+    its own, so that runs sharing one base (a node's ``NEREUS_STAGING_DIR``) never write,
+    retire or clear each other's copies."""
+    return os.path.join(staging_base(cfg), f"nereus-{run_id(cfg.run_dir)}")
 
 
 def local_rank() -> int:
@@ -179,10 +188,17 @@ def dir_refusal(path: str, st: os.stat_result, euid: int) -> str | None:
     return None
 
 
-def parent_refusal(path: str, st: os.stat_result, euid: int) -> str | None:
-    """Why an existing parent of a staging dir lets another user swap the dir (None: it does
-    not): owned by neither root nor this user, or writable by group or other without the
-    sticky bit (pure)."""
+def parent_refusal(path: str, st: os.stat_result, euid: int, target: str | None = None) -> str | None:
+    """Why an existing parent of a staging dir must not lead to it (None: it may): a symlink
+    (``st`` is its ``lstat``; ``target``: what it names, for the message) or not a directory,
+    owned by neither root nor this user, or writable by group or other without the sticky bit
+    (another user could swap the dir) (pure)."""
+    if stat.S_ISLNK(st.st_mode):
+        to = f" (to {target})" if target else ""
+        return (f"staging dir's parent {path} is a symlink{to}: refused (no link on the path is followed; give the "
+                f"directory's real path); {HINT}")
+    if not stat.S_ISDIR(st.st_mode):
+        return f"staging dir's parent {path} is not a directory: refused; {HINT}"
     if st.st_uid not in (0, euid):
         return f"staging dir's parent {path} is owned by {owner_name(st.st_uid)}: refused; {HINT}"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
@@ -191,20 +207,39 @@ def parent_refusal(path: str, st: os.stat_result, euid: int) -> str | None:
     return None
 
 
-def check_staging_dir(root: str) -> str | None:
-    """Why ``root`` must not be used as a staging dir (None: fine, or absent); reads only."""
-    euid = os.geteuid()
-    parent = os.path.dirname(os.path.abspath(root))
+def parents(root: str) -> list[str]:
+    """``root``'s parents, from ``/`` down (pure)."""
+    out, path = [], os.path.dirname(root)
     while True:
+        out.append(path)
+        if path == os.path.dirname(path):
+            return out[::-1]
+        path = os.path.dirname(path)
+
+
+def check_staging_dir(root: str) -> str | None:
+    """Why ``root`` must not be used as a staging dir (None: fine, or absent); reads only.
+    Every component is looked at with ``lstat`` from ``/`` down (a link is never followed,
+    so a symlinked parent is refused like a symlinked dir); the first missing one ends the
+    walk (what is below it is made 0700 by ``open_staging_dir``)."""
+    if not os.path.isabs(root) or ".." in root.split(os.sep):
+        return f"staging dir {root} must be an absolute path without '..': refused; {HINT}"
+    root = os.path.normpath(root)
+    euid = os.geteuid()
+    for parent in parents(root):
         try:
-            why = parent_refusal(parent, os.stat(parent), euid)
-        except FileNotFoundError:
-            why = None  # made 0700 by open_staging_dir
+            st = os.lstat(parent)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        target = None
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                target = os.readlink(parent)
+            except OSError:
+                pass
+        why = parent_refusal(parent, st, euid, target)
         if why:
             return why
-        if parent == os.path.dirname(parent):
-            break
-        parent = os.path.dirname(parent)
     try:
         return dir_refusal(root, os.lstat(root), euid)
     except FileNotFoundError:
@@ -215,7 +250,7 @@ def open_staging_dir(root: str, *, create: bool = True) -> str | None:
     """Check ``root`` (``check_staging_dir``), create it 0700 when absent (``create``), narrow
     this user's own to 0700, and make ``meta/`` and ``data/`` in it 0700; the refusal (one
     line) or None. Nothing is created or changed in a refused dir."""
-    from nereus.store.dcp_io import PRIVATE_DIR, makedirs_private
+    from nereus.store.dcp_io import PRIVATE_DIR, makedirs_private, private_mode
 
     why = check_staging_dir(root)
     if why or (not create and not os.path.lexists(root)):
@@ -224,6 +259,7 @@ def open_staging_dir(root: str, *, create: bool = True) -> str | None:
         makedirs_private(os.path.dirname(os.path.abspath(root)))
         try:
             os.mkdir(root, PRIVATE_DIR)
+            private_mode(root)  # exactly 0700, whatever the umask
         except FileExistsError:
             pass  # made meanwhile: checked below like any other
     try:
@@ -252,8 +288,9 @@ def open_staging_dir(root: str, *, create: bool = True) -> str | None:
 
 
 def clear_staging(root: str) -> None:
-    """Remove a node's staged copies: the store's own ``meta/`` and ``data/`` only, then
-    ``root`` if that left it empty (a configured ``staging_dir`` may hold other files). A
+    """Remove this run's staged copies on this node: its own dir's (``staging_root``, named
+    by the run id) ``meta/`` and ``data/`` only, then that dir if it is left empty — never
+    anything else in the base it sits in (another run's ``nereus-<run id>``, other files). A
     refused dir (``check_staging_dir``) is left as it is, with one line."""
     if not os.path.lexists(root):
         return
@@ -270,8 +307,8 @@ def clear_staging(root: str) -> None:
 
 
 def finish_staging(cfg) -> None:
-    """Collective, after the run's last step: every node's staged copies go (the durable
-    checkpoint of the last step holds the state)."""
+    """Collective, after the run's last step: every node's staged copies of this run go (the
+    durable checkpoint of the last step holds the state); other runs' in the same base stay."""
     dist.barrier()
     if local_rank() == 0:
         clear_staging(staging_root(cfg))

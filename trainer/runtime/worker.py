@@ -79,13 +79,15 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     fresh start's rank 0 refuses an earlier run's checkpoints, or deletes them with
     ``overwrite`` — never a restart. ``locked``: the launcher holds the run dir's lock
     (``trainer/elastic/run_lock.py``); else global rank 0 takes it before it looks at the run
-    dir and holds it until it exits. Returns the last step's metrics, or ``{"error":
+    dir and holds it until it exits; while another job holds it every rank raises
+    ``RunDirBusy`` (one line naming the run dir and the holder): the worker exits non-zero, so
+    an elastic agent counts a failed round and restarts it while it may. Returns the last step's metrics, or ``{"error":
     message}`` on every rank when the job stopped on a non-finite loss (the last committed
-    checkpoint is left as it was), the run dir was refused (another job holds it, or it holds
-    an earlier run's checkpoints), or no source could be restored.
+    checkpoint is left as it was), the run dir was refused (it holds an earlier run's
+    checkpoints, or cannot be locked), or no source could be restored.
     """
     from ..elastic.restore import agree_start
-    from ..elastic.run_lock import RunLock
+    from ..elastic.run_lock import RunDirBusy, RunLock
 
     times = {"entry": time.time()}  # when this attempt's worker started, for tools/bench_elastic.py's recovery split
     device = worker_device(cfg)
@@ -97,6 +99,8 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     lock = RunLock(cfg.run_dir, job=os.environ.get("TORCHELASTIC_RUN_ID")) if not locked and dist.get_rank() == 0 else None
     try:
         start = agree_start(cfg, resume, overwrite, lock)  # fresh: no earlier run's staged copy comes back
+        if start.get("busy"):  # every rank: a failed round (non-zero exit), which the agent restarts while it may
+            raise RunDirBusy(start["error"])
         if start["error"]:
             return {"error": start["error"]}
         started = _start(cfg, resume, start, device, times)

@@ -125,11 +125,15 @@ def test_on_several_nodes_the_newest_step_every_node_holds_on_every_rank_s_own_n
 def test_a_node_s_own_staging_dir_comes_from_its_environment(monkeypatch):
     from nereus.trainer.elastic.staging import STAGING_ENV, staging_root
 
+    from nereus.trainer.elastic.staging import run_id
+
     cfg = load_config(TINY_GRPO, ["elastic.staging_dir=/dev/shm/from-config"])
+    own = f"nereus-{run_id(cfg.run_dir)}"  # every run its own dir in the base
     monkeypatch.delenv(STAGING_ENV, raising=False)
-    assert staging_root(cfg) == "/dev/shm/from-config"
+    assert staging_root(cfg) == f"/dev/shm/from-config/{own}"
+    assert staging_root(load_config(TINY_GRPO, [])) == f"/dev/shm/{own}"
     monkeypatch.setenv(STAGING_ENV, "/dev/shm/node-b")
-    assert staging_root(cfg) == "/dev/shm/node-b"  # the config is rank 0's on every node; the node's own path wins
+    assert staging_root(cfg) == f"/dev/shm/node-b/{own}"  # the config is rank 0's on every node; the node's own path wins
     for bad in ("shm/x", "s3://bucket/x"):
         monkeypatch.setenv(STAGING_ENV, bad)
         with pytest.raises(ConfigError, match=f"environment variable {STAGING_ENV} must be a local absolute path"):

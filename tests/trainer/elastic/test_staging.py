@@ -15,6 +15,13 @@ from tests.distributed_harness import run_distributed
 from tests.trainer.elastic.common import TINY_GRPO, SMALL, TWO, ONE
 
 
+def _own(base, run_dir) -> str:
+    """The run's own staging dir in the staging base ``base``: ``nereus-<run id>``."""
+    from nereus.trainer.elastic.staging import run_id
+
+    return os.path.join(str(base), f"nereus-{run_id(str(run_dir))}")
+
+
 def _train_and_stage(rank, world, run_dir, shm_dir):
     """One gloo rank: 2 steps, a durable checkpoint at step 1, the staged copy of step 2; a
     fresh trainer restores from the newest valid source, then again once a byte of a staged
@@ -45,7 +52,7 @@ def _train_and_stage(rank, world, run_dir, shm_dir):
     out = []
     for corrupt in (False, True):
         if corrupt:
-            data = os.path.join(shm_dir, "data")
+            data = os.path.join(_own(shm_dir, run_dir), "data")
             box = sorted(os.path.join(d, f) for d, _, fs in os.walk(data) for f in fs if not f.endswith(".json"))[0]
             with open(box, "r+b") as f:
                 byte = f.read(1)
@@ -57,7 +64,7 @@ def _train_and_stage(rank, world, run_dir, shm_dir):
         got = fresh.stages["actor.train"].buffers()
         same = all(torch.equal(got[k], want) for k, want in states[step].items())
         lr = fresh.stages["actor.train"].optimizer.param_groups[0]["lr"]
-        out.append((step, record, same, [s.kind for s in sources], os.path.isdir(shm_dir), (fresh.step, lr == lrs[step])))
+        out.append((step, record, same, [s.kind for s in sources], os.path.isdir(_own(shm_dir, run_dir)), (fresh.step, lr == lrs[step])))
     out.append(_capacity_and_a_failed_write(cfg, rank, fresh, shm_dir))
     out.append(modes)
     return out
@@ -92,9 +99,9 @@ def _capacity_and_a_failed_write(cfg, rank, trainer, shm_dir):
     finally:
         dcp_io.BoxWriter.finish = real_finish
     full.close()
-    data = os.path.join(shm_dir, "data")
+    data = os.path.join(_own(shm_dir, cfg.run_dir), "data")
     left = os.listdir(data) if os.path.isdir(data) else []
-    return tiny.enabled, tiny.refused, full.figures().get("failed"), left, CheckpointStore(shm_dir).steps()
+    return tiny.enabled, tiny.refused, full.figures().get("failed"), left, CheckpointStore(_own(shm_dir, cfg.run_dir)).steps()
 
 
 def _two_nodes_stage(rank, world, run_dir, shm_dir, shared):
@@ -115,9 +122,10 @@ def _two_nodes_stage(rank, world, run_dir, shm_dir, shared):
     from nereus.trainer.elastic.restore import agree_sources, restore_newest
 
     os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    mine = shm_dir if shared else f"{shm_dir}/{rank}"
+    base = shm_dir if shared else f"{shm_dir}/{rank}"
     cfg = load_config(TINY_GRPO, [*SMALL, *TWO, "plan.actor.train.dp_shard=true", f"run_dir={run_dir}",
-                                  f"elastic.staging_dir={mine}"])
+                                  f"elastic.staging_dir={base}"])
+    mine = _own(base, run_dir)
     os.makedirs(run_dir, exist_ok=True)
     trainer = Trainer(cfg)
     emus = [e for s in trainer.trained_stages() for e in s.emus]
@@ -244,16 +252,17 @@ def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, s
 
     with pytest.raises(RuntimeError, match="exited with code -9"):
         run_distributed(_kill_while_staging, 1, str(tmp_path / "run"), shm_dir, timeout=110)
-    store = CheckpointStore(shm_dir)
+    own = _own(shm_dir, tmp_path / "run")
+    store = CheckpointStore(own)
     assert store.steps() == [1]
-    written = sorted(os.listdir(os.path.join(shm_dir, "data")))
+    written = sorted(os.listdir(os.path.join(own, "data")))
     assert len(written) == 2 and written[1].startswith("000000000002-")  # step 2's boxes, named by no manifest
     store.verify(store.manifest(1))  # every block of step 1 against its checksums
     from nereus.trainer.elastic.staging import run_id
 
-    view = local_view(shm_dir, str(tmp_path / "run" / "checkpoints"), run_id(str(tmp_path / "run")))
+    view = local_view(own, str(tmp_path / "run" / "checkpoints"), run_id(str(tmp_path / "run")))
     assert view["staged"]["step"] == 1 and check_staged(view["staged"], durable_step=None, run_dir=str(tmp_path / "run")) is None
-    other = local_view(shm_dir, str(tmp_path / "run" / "checkpoints"), run_id(str(tmp_path / "other")))["staged"]
+    other = local_view(own, str(tmp_path / "run" / "checkpoints"), run_id(str(tmp_path / "other")))["staged"]
     assert "its seal does not match this run's" in check_staged({**other, "staged": view["staged"]["staged"]}, durable_step=None,
                                                                 run_dir=str(tmp_path / "run"))
 
@@ -382,7 +391,7 @@ def test_a_kill_halfway_through_a_transition_leaves_the_old_committed_state_usab
     run_dir = tmp_path / "run"
     with pytest.raises(RuntimeError, match="exited with code -9"):
         run_distributed(_kill_mid_transition, 2, str(run_dir), shm_dir, timeout=150)
-    staged = CheckpointStore(shm_dir)
+    staged = CheckpointStore(_own(shm_dir, run_dir))
     assert staged.steps() == [1]
     staged.verify(staged.manifest(1))
     step, record, state = run_distributed(_restore_and_gather, 2, str(run_dir),
@@ -416,15 +425,69 @@ def test_a_staging_dir_is_used_only_when_this_user_owns_it_and_no_one_else_can_w
     assert "/x is owned by uid 12345" in parent_refusal("/x", _st(d | 0o755, 12345), 4242)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="chowns a dir to another uid: needs root (the pure owner check above runs anywhere)")
-def test_another_users_a_loose_or_a_linked_staging_dir_is_refused_and_left_as_it_is(tmp_path, shm_dir, monkeypatch):
-    """Run as root here: a dir chowned to uid 12345, a 0777 one and a symlink are refused
-    (one line naming the path and its owner; nothing created in them, nothing cleared); a new
-    one is made 0700 with meta/ and data/ 0700; `nereus train` with staging on refuses the
-    bad one before anything is written (no run dir)."""
+def _train(run_dir, *sets: str, env: dict | None = None):
+    """`nereus train` with staging on (in this process), its result."""
     from typer.testing import CliRunner
 
     from nereus.cli.app import app
+
+    return CliRunner().invoke(app, ["train", TINY_GRPO, "--run-dir", str(run_dir), "--max-restarts", "1",
+                                    *[a for s in [*SMALL, *sets] for a in ("--set", s)]], env=env)
+
+
+def test_a_loose_or_a_linked_staging_dir_or_parent_is_refused_and_left_as_it_is(tmp_path, shm_dir):
+    """For every user: a 0777 dir and a symlink, as the staging dir or as a parent of it, are
+    refused (one line naming the path; nothing created in them, nothing cleared); this user's
+    dir readable by others is narrowed to 0700 with meta/ and data/ 0700; `nereus train` with
+    staging on refuses a bad one before anything is written (no run dir)."""
+    from nereus.trainer.elastic.staging import STAGING_ENV, check_staging_dir, clear_staging, open_staging_dir
+
+    os.mkdir(shm_dir)
+    os.chmod(shm_dir, 0o777)
+    (open(os.path.join(shm_dir, "theirs"), "w")).close()
+    assert "writable by group and other (mode 0777)" in open_staging_dir(shm_dir)
+    clear_staging(shm_dir)
+    assert os.listdir(shm_dir) == ["theirs"]  # nothing made in it, nothing cleared
+    run_dir = tmp_path / "run"
+    for sets, env in (([f"elastic.staging_dir={shm_dir}"], None), ([], {STAGING_ENV: shm_dir})):  # the base, 0777
+        result = _train(run_dir, *sets, env=env)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"staging dir's parent {shm_dir} is writable by others without the sticky bit (mode 0777)" in result.output
+        assert len(result.output.strip().splitlines()) == 1 and not run_dir.exists()  # nothing written
+    assert os.listdir(shm_dir) == ["theirs"]
+    os.chmod(shm_dir, 0o755)  # this user's, readable by others (an older Nereus's): narrowed
+    assert open_staging_dir(shm_dir) is None
+    modes = {p: os.stat(os.path.join(shm_dir, p)).st_mode & 0o7777 for p in (".", "meta", "data")}
+    assert modes == {".": 0o700, "meta": 0o700, "data": 0o700}
+
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    link = f"{shm_dir}-link"
+    os.symlink(target, link)
+    try:
+        assert f"staging dir {link} is a symlink" in open_staging_dir(link)  # the dir itself a link
+        below = os.path.join(link, "nereus-abc")  # a parent a link: stat() would follow it to a fine dir
+        why = check_staging_dir(below)
+        assert why == open_staging_dir(below) and why.startswith(f"staging dir's parent {link} is a symlink (to {target}): refused")
+        assert "\n" not in why
+        assert check_staging_dir(os.path.join(link, "a", "b", "nereus-abc")).startswith(f"staging dir's parent {link} is a symlink")
+        result = _train(run_dir, env={STAGING_ENV: link})  # the node's base a link
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"staging dir's parent {link} is a symlink (to {target})" in result.output
+        assert len(result.output.strip().splitlines()) == 1 and not run_dir.exists()
+        clear_staging(below)
+        assert os.listdir(target) == []  # nothing made through a link
+    finally:
+        os.unlink(link)
+    assert check_staging_dir("/dev/shm/nereus-abc") is None  # /dev/shm itself: root's, sticky 1777, a real dir
+    assert "without '..'" in check_staging_dir(f"{shm_dir}/../x")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chowns a dir to another uid: needs root (the pure owner check above runs anywhere)")
+def test_another_users_staging_dir_is_refused_and_left_as_it_is(tmp_path, shm_dir, monkeypatch):
+    """Run as root here: a dir chowned to uid 12345 is refused (one line naming the path and
+    its owner; nothing created in it, nothing cleared), as the staging dir and as its base;
+    `nereus train` with staging on refuses it before anything is written (no run dir)."""
     from nereus.trainer.elastic.staging import STAGING_ENV, clear_staging, open_staging_dir
 
     os.mkdir(shm_dir, 0o700)
@@ -434,27 +497,73 @@ def test_another_users_a_loose_or_a_linked_staging_dir_is_refused_and_left_as_it
     clear_staging(shm_dir)
     assert os.listdir(shm_dir) == ["theirs"]
     run_dir = tmp_path / "run"
-    for env, sets in ((False, [f"elastic.staging_dir={shm_dir}"]), (True, [])):
-        if env:
-            monkeypatch.setenv(STAGING_ENV, shm_dir)
-        result = CliRunner().invoke(app, ["train", TINY_GRPO, "--run-dir", str(run_dir), "--max-restarts", "1",
-                                          *[a for s in [*SMALL, *sets] for a in ("--set", s)]])
+    for sets, env in (([f"elastic.staging_dir={shm_dir}"], None), ([], {STAGING_ENV: shm_dir})):
+        result = _train(run_dir, *sets, env=env)
         assert result.exit_code == 2 and "owned by uid 12345" in result.output and "Traceback" not in result.output
         assert len(result.output.strip().splitlines()) == 1 and not run_dir.exists()  # nothing written
-    monkeypatch.delenv(STAGING_ENV)
-    os.chown(shm_dir, 0, 0)
-    os.chmod(shm_dir, 0o777)
-    assert "writable by group and other (mode 0777)" in open_staging_dir(shm_dir)
-    os.chmod(shm_dir, 0o755)  # this user's, readable by others (an older Nereus's): narrowed
-    assert open_staging_dir(shm_dir) is None
-    modes = {p: os.stat(os.path.join(shm_dir, p)).st_mode & 0o7777 for p in (".", "meta", "data")}
-    assert modes == {".": 0o700, "meta": 0o700, "data": 0o700}
-    target = tmp_path / "elsewhere"
-    target.mkdir(mode=0o700)
-    link = f"{shm_dir}-link"
-    os.symlink(target, link)
-    try:
-        assert f"staging dir {link} is a symlink" in open_staging_dir(link)
-        assert os.listdir(target) == []
-    finally:
-        os.unlink(link)
+    assert os.listdir(shm_dir) == ["theirs"]
+
+
+def test_runs_sharing_a_staging_base_each_clear_only_their_own(tmp_path, shm_dir, monkeypatch):
+    """Two runs on one node's NEREUS_STAGING_DIR: each stages in a dir of its own there
+    (``nereus-<run id>``); the first finishing (``finish_staging``) or starting fresh again
+    (``clear_staging``) removes its own copies only — the other's files stay byte for byte,
+    and so does whatever else is in the base."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    from nereus.trainer.elastic.staging import STAGING_ENV, clear_staging, finish_staging, open_staging_dir, staging_root
+
+    def tree(root):
+        out = {}
+        for d, _, files in os.walk(root):
+            for f in files:
+                path = os.path.join(d, f)
+                out[os.path.relpath(path, root)] = (os.stat(path).st_mode, hashlib.sha256(open(path, "rb").read()).hexdigest())
+        return out
+
+    monkeypatch.setenv(STAGING_ENV, shm_dir)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)  # finish_staging's collective, one process here
+    cfgs = [load_config(TINY_GRPO, [f"run_dir={tmp_path / name}"]) for name in ("a", "b")]
+    roots = [staging_root(c) for c in cfgs]
+    assert roots[0] != roots[1] and {os.path.dirname(r) for r in roots} == {shm_dir}
+    for i, root in enumerate(roots):
+        assert open_staging_dir(root) is None
+        for part in ("meta", "data"):
+            with open(os.path.join(root, part, f"run{i}.bin"), "wb") as f:
+                f.write(os.urandom(4096))
+    with open(os.path.join(shm_dir, "someone-elses"), "wb") as f:
+        f.write(b"keep")
+    other = tree(roots[1])
+    assert len(other) == 2
+    finish_staging(cfgs[0])
+    assert not os.path.exists(roots[0])
+    assert tree(roots[1]) == other  # byte for byte, modes too
+    assert sorted(os.listdir(shm_dir)) == sorted([os.path.basename(roots[1]), "someone-elses"])
+    assert open_staging_dir(roots[0]) is None
+    clear_staging(roots[0])  # a fresh start's clean-up
+    assert tree(roots[1]) == other and not os.path.exists(roots[0])
+
+
+def test_every_dir_staging_makes_is_exactly_0700_whatever_the_umask(shm_dir):
+    from nereus.store.dcp_io import makedirs_private
+    from nereus.trainer.elastic.staging import open_staging_dir
+
+    for i, umask in enumerate((0o000, 0o022, 0o077, 0o277, 0o027)):
+        old = os.umask(umask)
+        try:
+            deep = os.path.join(shm_dir, f"u{i}", "a", "b")
+            makedirs_private(deep)
+            root = os.path.join(shm_dir, f"s{i}", "nereus-x")
+            assert open_staging_dir(root) is None
+        finally:
+            os.umask(old)
+        made = [os.path.join(shm_dir, f"u{i}"), os.path.join(shm_dir, f"u{i}", "a"), deep,
+                os.path.dirname(root), root, os.path.join(root, "meta"), os.path.join(root, "data")]
+        modes = {p: os.stat(p).st_mode & 0o7777 for p in made}
+        assert set(modes.values()) == {0o700}, (oct(umask), {p: oct(m) for p, m in modes.items()})
+    assert os.stat(shm_dir).st_mode & 0o7777 == 0o700  # made by the first makedirs_private too
+    os.chmod(shm_dir, 0o750)
+    makedirs_private(shm_dir)  # one that was there is left as it is
+    assert os.stat(shm_dir).st_mode & 0o7777 == 0o750
