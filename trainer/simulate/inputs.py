@@ -13,8 +13,11 @@ keys rejected with the closest one, types checked, the dotted key named), then c
   the controller's settings. ``job_config(devices)`` is the ``JobConfig`` every policy plans
   with: the same loader and validation as ``nereus train`` (a dataset job whose files are
   never opened).
-- ``TruthInput``: the hidden ground truth (``truth.py``): per-operation-class efficiency
-  (drawn from ``seed`` where not given), noise, memory slack, transition factor.
+- ``WorldInput``: the job's draw of the world (``world/``): the seed of its device speeds,
+  hidden slacks and noise, whether it is noisy, the seconds of a restart. The world's
+  parameters are the cluster's ``world`` (a file of ``configs/simulate/worlds/``, by name
+  or path; default: the cluster's ``device``), with the cluster's ``memory_gib`` and
+  ``devices_per_node`` where given. ``load_world(cluster, job)`` builds the ``World``.
 
 Every error is a ``SimulateError`` naming the file and the key.
 """
@@ -30,8 +33,8 @@ from typing import Any, Literal
 import yaml
 
 from ..config import ConfigError, JobConfig, YamlLoader, build_tree
-from ..prepare import load_config
 from ..controller.profiles import Link, ProfileError, load_profile
+from ..prepare import load_config
 
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "simulate" / "models"
 """Shipped HF config shapes, one directory each (``<name>/config.json``)."""
@@ -54,6 +57,7 @@ class Cluster:
     devices_per_node: int | None = None  # None: the profile's
     nodes: int = 1
     memory_gib: float | None = None  # per device (None: the profile's)
+    world: str | None = None  # the world's parameters: a shipped name (configs/simulate/worlds) or a file (None: the device's)
     links: Any = None  # {intra|inter|local: {bandwidth, latency}}: overrides of the profile's
 
     @property
@@ -93,19 +97,15 @@ class LengthsInput:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ResponseInput:
     max: int = 8192  # rollout.max_new_tokens: the longest response the job allows
+    mean: float | None = None  # the declared mean response (the initial plan's search; None: the longest)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TruthInput:
-    """The hidden ground truth (``truth.py``); the controller never reads it."""
+class WorldInput:
+    """The job's draw of the world (``world/``); the controller never reads it."""
 
-    seed: int = 1234
-    efficiency: Any = None  # θ per operation class the device really runs at (None: drawn)
-    spread: float = 0.35  # σ of log θ when drawn, around the profile's prior
-    noise: float = 0.03  # σ of the lognormal noise on every measured piece
-    memory_slack: float = 0.04  # the real peak is the model's × (1 + slack) + offset
-    memory_offset_gib: float = 1.0
-    transition_factor: float = 1.3  # real transitions take the estimator's seconds × this
+    seed: int = 1234  # device speeds, hidden allocator slacks per layout class, stragglers, noise
+    noise: bool = True  # stragglers and per-step noise on what the controller measures
     restart_seconds: float = 300.0  # a failed or out-of-memory step: restart from the staged state
 
 
@@ -125,7 +125,7 @@ class JobInput:
     response: ResponseInput = field(default_factory=ResponseInput)
     plan: Any = "auto"  # "auto" or a plan section as in a job config
     controller: Any = None  # a job config's controller section (drift, gamma, hysteresis, lookahead, ...)
-    truth: TruthInput = field(default_factory=TruthInput)
+    world: WorldInput = field(default_factory=WorldInput)
 
     @property
     def rows(self) -> int:
@@ -177,7 +177,7 @@ def read_yaml(path: str | os.PathLike, what: str) -> dict:
     if not os.path.isfile(path):
         raise SimulateError(f"{what} file {os.fspath(path)!r} does not exist")
     try:
-        data = yaml.load(Path(path).read_text(), Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(Path(path).read_text(), Loader=YamlLoader)
     except yaml.YAMLError as e:
         raise SimulateError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):
@@ -185,34 +185,26 @@ def read_yaml(path: str | os.PathLike, what: str) -> dict:
     return data
 
 
-FREE = {Cluster: ("links",), JobInput: ("plan", "controller"), TruthInput: ("efficiency",)}
+FREE = {Cluster: ("links",), JobInput: ("plan", "controller")}
 """Fields the typed builder leaves as they are (mappings checked where they are used)."""
 
 
 def build(cls: type, data: dict, prefix: str = "") -> Any:
-    """``config._build`` of ``cls``, with its ``FREE`` fields (and a nested ``truth``) taken apart."""
+    """``config._build`` of ``cls``, with its ``FREE`` fields (and a nested ``world``) taken apart."""
     data = dict(data)
     free = {k: data.pop(k) for k in FREE.get(cls, ()) if k in data}
     for key in free:
         if free[key] is not None and not isinstance(free[key], (dict, str)):
             raise SimulateError(f"{prefix}{key} must be a mapping, got {type(free[key]).__name__} {free[key]!r}")
-    truth = data.pop("truth", None) if cls is JobInput else None
+    if cls is JobInput and "truth" in data:
+        raise SimulateError("job key 'truth': the hidden truth is now the world; use 'world' (seed, noise, restart_seconds) "
+                            "and the cluster's 'world' (its parameter file)")
+    world = data.pop("world", None) if cls is JobInput else None
     out = build_tree(cls, data, prefix)
-    if truth is not None:
-        if not isinstance(truth, dict):
-            raise SimulateError(f"job key 'truth' must be a mapping, got {truth!r}")
-        free["truth"] = build(TruthInput, truth, "truth.")
-        eff = free["truth"].efficiency
-        if eff is not None:
-            from ..controller.profiles import OP_CLASSES
-
-            if not isinstance(eff, dict):
-                raise SimulateError("job key 'truth.efficiency' must map operation classes to factors")
-            for k, v in eff.items():
-                if k not in OP_CLASSES:
-                    raise SimulateError(f"job key 'truth.efficiency.{k}': unknown operation class; known: {', '.join(OP_CLASSES)}")
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                    raise SimulateError(f"job key 'truth.efficiency.{k}' must be a positive number, got {v!r}")
+    if world is not None:
+        if not isinstance(world, dict):
+            raise SimulateError(f"job key 'world' must be a mapping, got {world!r}")
+        free["world"] = build_tree(WorldInput, world, "world.")
     return dataclasses.replace(out, **free) if free else out
 
 
@@ -237,8 +229,8 @@ def load_job(source: str | os.PathLike | dict) -> JobInput:
         checks = [("prompts_per_step", job.prompts_per_step >= 1), ("samples_per_prompt", job.samples_per_prompt >= 1),
                   ("minibatch_size", 1 <= job.minibatch_size), ("epochs", job.epochs >= 1), ("prompt.max", job.prompt.max >= 1),
                   ("prompt.mean", 0 < job.prompt.mean <= job.prompt.max), ("response.max", job.response.max >= 1),
-                  ("truth.noise", job.truth.noise >= 0), ("truth.memory_slack", job.truth.memory_slack >= 0),
-                  ("truth.transition_factor", job.truth.transition_factor > 0), ("truth.restart_seconds", job.truth.restart_seconds >= 0)]
+                  ("response.mean", job.response.mean is None or 0 < job.response.mean <= job.response.max),
+                  ("world.restart_seconds", job.world.restart_seconds >= 0)]
         for key, ok in checks:
             if not ok:
                 raise SimulateError(f"job key '{key}' is out of range")
@@ -250,3 +242,26 @@ def load_job(source: str | os.PathLike | dict) -> JobInput:
     except (ConfigError, SimulateError) as e:
         raise SimulateError(f"{where}{str(e).replace('config key', 'job key')}") from None
     return job
+
+
+def world_params(cluster: Cluster):
+    """The world's parameters of ``cluster`` (its ``world``, else its device's), with the
+    cluster's ``memory_gib`` and ``devices_per_node`` where it gives them."""
+    from .world import WorldError, load_world_params
+
+    name = cluster.world or cluster.device
+    try:
+        params = load_world_params(name)
+    except WorldError as e:
+        raise SimulateError(f"cluster {cluster.name!r} key '{'world' if cluster.world else 'device'}': {e}") from None
+    over = {k: v for k, v in (("memory_gib", cluster.memory_gib), ("devices_per_node", cluster.devices_per_node)) if v is not None}
+    return dataclasses.replace(params, **over) if over else params
+
+
+def load_world(cluster: Cluster, job: JobInput, *, noise: bool | None = None, prompt_mean: float | None = -1.0):
+    """The ``World`` ``job`` runs in on ``cluster`` (``noise``: None, the job's;
+    ``prompt_mean``: -1, the job's declared mean)."""
+    from .world import World
+
+    return World(world_params(cluster), seed=job.world.seed, noise=job.world.noise if noise is None else noise,
+                 prompt_mean=job.prompt.mean if prompt_mean == -1.0 else prompt_mean)

@@ -2,22 +2,17 @@
 and the simulated pieces against the measured ones (the simulator's validation on this machine).
 
 The run's resolved config (``config.json``) is the job, its device profile and ``nproc`` the
-cluster (one node), its ``metrics.jsonl`` the trace (``traces.from_run``). The truth of a
-replay is the device profile itself — θ* = the profile's priors, no noise — because the
-machine it is compared with is the real one: ``compare(result, lines)`` sets the fixed
-policy's simulated seconds per piece (the run's own plan, ``truth.pieces``) beside what the
-run measured, step by step:
+cluster (one node, its world: the device's parameter file, e.g. ``configs/simulate/worlds/cpu.yaml``),
+its ``metrics.jsonl`` the trace (``traces.from_run``). ``compare(result, lines)`` sets the
+world's seconds per piece of the run's own plan (noise-free) beside what the run measured:
 
     error(piece) = |Σ_steps simulated − Σ_steps measured| / Σ_steps measured
     live_error   = the mean of error(piece) over the pieces both have
     step_error   = the mean over steps of |simulated step − measured step| / measured step
 
-(the measured step: the same pieces; the loop's bookkeeping — advantages, the finiteness
-check — is not planned and is reported apart as ``unplanned_share``).
-
-``calibrated_truth(run_dir, lines)``: the truth as this machine ran the first steps of a run
-— θ* fitted by the controller's own calibration (``StepTimeModel.calibrate``) on their
-pieces — to simulate the later steps with (out of sample in time).
+(the loop's bookkeeping — advantages, the finiteness check — is not planned and is reported
+apart as ``unplanned_share``). The world is not fitted to this machine: the error is the
+world's own.
 """
 
 from __future__ import annotations
@@ -26,14 +21,13 @@ import os
 
 from ..config import ConfigError
 from ..prepare import load_config
-from .inputs import Cluster, JobInput, SimulateError, TruthInput
+from .inputs import Cluster, JobInput, SimulateError, WorldInput, load_world
 from .run import SimResult, simulate
 from .traces import from_run, run_records
-from .truth import Truth
 
 
-def replay(run_dir: str, *, policies: tuple[str, ...] = ("fixed", "adaptive", "greedy", "oracle"), out_run_dir: str | None = None,
-           truth: TruthInput | None = None) -> tuple[SimResult, list[dict]]:
+def replay(run_dir: str, *, policies: tuple[str, ...] = ("adaptive",), out_run_dir: str | None = None,
+           world: str | None = None) -> tuple[SimResult, list[dict]]:
     data, lines = run_records(run_dir)
     try:
         cfg = load_config({**data, "run_dir": data.get("run_dir", run_dir)})
@@ -41,51 +35,17 @@ def replay(run_dir: str, *, policies: tuple[str, ...] = ("fixed", "adaptive", "g
         raise SimulateError(f"--from-run {run_dir}: its config.json does not load: {e}") from None
     trace = from_run(run_dir)
     cluster = Cluster(name=f"the machine of {os.path.basename(os.path.normpath(run_dir))}", device=cfg.device_profile,
-                      devices_per_node=cfg.nproc, nodes=1)
-    job = JobInput(name=os.path.basename(os.path.normpath(run_dir)), truth=truth or TruthInput(spread=0.0, noise=0.0))
+                      devices_per_node=cfg.nproc, nodes=1, world=world)
+    job = JobInput(name=os.path.basename(os.path.normpath(run_dir)), world=WorldInput(noise=False))
     result = simulate(cluster, job, trace, trace_name=f"from-run {run_dir}", policies=policies, run_dir=out_run_dir, cfg=cfg)
     return result, lines
 
 
-def calibrated_truth(run_dir: str, lines: list[dict]) -> TruthInput:
-    """TruthInput with θ* calibrated on ``lines`` of the run (module docstring)."""
-    import dataclasses
-
-    from ..controller.online import piece_features
-    from ..controller.profiles import load_profile
-    from ..controller.steptime import Placement, StepTimeModel
-    from ..controller.workload import Workload
-
-    data, _ = run_records(run_dir)
-    cfg = load_config({**data, "run_dir": data.get("run_dir", run_dir)})
-    profile = load_profile(cfg.device_profile)
-    where = Placement(nproc=cfg.nproc, profile=profile)
-    samples = []
-    for m in lines:
-        t = from_run_step(m)
-        work = dataclasses.replace(Workload.from_config(cfg).at(t[0], t[1]), prompt_mean=t[2])
-        for name, rec in m["stages"].items():
-            f = piece_features(cfg, name, work, where)
-            if f is not None:
-                samples.append((f, rec["seconds"]))
-    model = StepTimeModel.for_profile(profile).calibrate(samples)
-    return TruthInput(spread=0.0, noise=0.0, efficiency=dict(model.coef))
-
-
-def from_run_step(m: dict) -> tuple[int, float, float | None]:
-    from ..controller.online import observed_prompt_mean
-
-    return int(m["lengths"]["response_max"]), float(m["response_length"]), observed_prompt_mean(m)
-
-
 def compare(result: SimResult, lines: list[dict]) -> dict:
     """The fixed policy's simulated pieces against the run's measured ones (module docstring)."""
-    fixed = result.results.get("fixed")
-    if fixed is None:
-        raise SimulateError("the live comparison needs the fixed policy (the run's own plan)")
     by_step = {int(m["step"]): m for m in lines}
     cfg = result.initial_cfg
-    truth = Truth(result.job.truth, result.cluster.profile(), prompt_mean=None)
+    truth = load_world(result.cluster, result.job, noise=False, prompt_mean=None)
     sims: dict[str, float] = {}
     meas: dict[str, float] = {}
     step_errors, unplanned, total = [], 0.0, 0.0

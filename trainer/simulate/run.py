@@ -1,21 +1,28 @@
-"""The simulation loop: every policy through the same trace, on the same hidden truth.
+"""The simulation: the controller's policies through the step loop, the baselines priced in
+hindsight, all on the same world (``world/``).
 
-Per trace step, for each policy (``policies.py``): a change of the devices first
-(``resize``: the world trigger, or DP scaled, or the oracle's new world); a world no plan
-runs on makes the policy wait — the step does not run, and the time passes at the
-policy's last step's pace. Then the step runs on the policy's plan: the truth
-(``truth.py``) gives its pieces' seconds and every rank's peak, as the step loop's metrics;
-a peak over the device's memory, or a failure in the trace, costs a restart
-(``truth.restart_seconds``) and the step again. Then the policy reacts (``after``: the
-controller observes and decides), and an admitted move costs the truth's transition.
+Per trace step, for each loop policy (``policies.py``: ``adaptive``, ``controller_greedy``):
+a change of the devices first (``resize``: the world trigger); a world no plan runs on makes
+the policy wait — the step does not run, and the time passes at the policy's last step's
+pace. Then the step runs on the policy's plan: the world (``Ground.world``) gives the
+pieces' measured seconds and every rank's peak, as the step loop's metrics; the step is
+booked at the world's noise-free seconds (``Ground.exact``); a peak over the device's
+memory, or a failure in the trace, costs a restart (``world.restart_seconds``) and the step
+again. Then the policy reacts (``after``: the controller observes and decides), and an
+admitted move costs the world's transition.
+
+The baselines (``baselines.py``: ``best_static``, ``initial_fixed``, ``oracle``, ``greedy``)
+are paths over the table of the candidate pool's world seconds (the adaptive policies'
+plans added to it), booked the same way.
 
     run time = Σ step seconds + Σ transitions + Σ restarts (+ the redone steps) + Σ waits
     mean step latency = the mean of the steps' seconds that ran
-    transition share = Σ transitions / run time
+    X_over_Y = Y's run time ÷ X's (the same steps: Y's mean time per step ÷ X's, transitions,
+               restarts and waits counted); 1.10: X is 10% faster
 
-The initial plan: the job's, or (``plan: auto``) the controller's search for the longest
-step the job allows (what a static run must survive) on the first world of the trace that
-has one. Every policy starts from it; the oracle replaces it at once.
+The initial plan (every loop policy starts from it, and ``initial_fixed`` keeps it): the
+job's, or (``plan: auto``) the controller's search at the job's declared prompt and response
+means (``baselines.initial_plan``) on the first world of the trace that has a plan.
 """
 
 from __future__ import annotations
@@ -26,11 +33,16 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..config import ConfigError, JobConfig
-from .inputs import Cluster, JobInput, SimulateError, write_profile
-from .policies import POLICIES, Move, Policy, label, worlds
+from . import baselines as B
+from .inputs import Cluster, JobInput, SimulateError, load_world, write_profile
+from .policies import POLICIES, Ground, Move, Policy, label, worlds
 from .traces import TraceStep
-from .truth import Truth
+
+BASELINES = ("best_static", "initial_fixed", "oracle", "greedy")
+DEFAULT = ("best_static", "initial_fixed", "oracle", "greedy", "adaptive")
 
 
 @dataclass(kw_only=True)
@@ -46,6 +58,7 @@ class PolicyResult:
     restart_seconds: float = 0.0
     wait_seconds: float = 0.0
     errors: list[dict] = field(default_factory=list)  # step, error: the controller failed (logged, the plan kept)
+    plans: list[JobConfig] = field(default_factory=list)  # every config it ran a step on
     wall_seconds: float = 0.0  # this machine's time spent in the policy (its controller, its search), the truth's apart
 
     @property
@@ -76,12 +89,13 @@ class SimResult:
     initial_cfg: JobConfig
     results: dict[str, PolicyResult]
     sim_seconds: float
-    truth: dict
+    truth: dict  # the world: its parameters' name, seed, noise; the candidate pool and the oracle's set
 
 
-def initial_config(cluster: Cluster, job: JobInput, trace: list[TraceStep], profile_path: str) -> JobConfig:
+def initial_config(cluster: Cluster, job: JobInput, trace: list[TraceStep], profile_path: str, memory_gib: float | None = None) -> JobConfig:
     """The config every policy starts from (module docstring)."""
     profile = cluster.profile()
+    memory_gib = profile.memory_gib if memory_gib is None else memory_gib
     if not trace:
         raise SimulateError("the trace has no steps")
     if not any(t.devices for t in trace):
@@ -93,7 +107,11 @@ def initial_config(cluster: Cluster, job: JobInput, trace: list[TraceStep], prof
                 continue
             tried.add(n)
             try:
-                return job.job_config(n, steps=len(trace), profile_path=profile_path, memory_gib=profile.memory_gib)
+                cfg = job.job_config(n, steps=len(trace), profile_path=profile_path, memory_gib=memory_gib)
+                if job.plan != "auto":
+                    return cfg
+                plan = B.initial_plan(cfg, profile, prompt_mean=job.prompt.mean, response_mean=job.response.mean)
+                return dataclasses.replace(cfg, plan=plan)
             except ConfigError as e:
                 errors.append((n, str(e)))
                 if "does not exist" in str(e) or "unknown key" in str(e) or job.plan != "auto":
@@ -104,61 +122,173 @@ def initial_config(cluster: Cluster, job: JobInput, trace: list[TraceStep], prof
 
 
 def simulate(cluster: Cluster, job: JobInput, trace: list[TraceStep], *, trace_name: str = "trace",
-             policies: tuple[str, ...] = ("fixed", "adaptive", "greedy", "oracle"), run_dir: str | None = None,
-             work_dir: str | None = None, cfg: JobConfig | None = None) -> SimResult:
+             policies: tuple[str, ...] = DEFAULT, run_dir: str | None = None,
+             work_dir: str | None = None, cfg: JobConfig | None = None, oracle_set: int = B.ORACLE_SET,
+             pool_top: int = 64, world=None) -> SimResult:
     """Run every policy through ``trace`` (module docstring). ``run_dir``: the adaptive
     controller writes its logs there (predictions.jsonl, transitions.jsonl) and the loop the
     step metrics, as a live run (``nereus report`` reads it). ``cfg``: this job config as
-    it is (a real run's, ``replay.py``) instead of the job input's."""
-    unknown = [p for p in policies if p not in POLICIES]
+    it is (a real run's, ``replay.py``) instead of the job input's. ``world``: this World
+    (noisy) instead of the cluster's."""
+    known = (*BASELINES, *POLICIES)
+    unknown = [p for p in policies if p not in known]
     if unknown:
-        raise SimulateError(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
+        raise SimulateError(f"unknown policy {unknown[0]!r}; known: {', '.join(known)}")
+    if oracle_set < 1:
+        raise SimulateError(f"the oracle's candidate set must hold at least 1 plan, got {oracle_set}")
     start = time.perf_counter()
     check_trace(trace, job, strict=cfg is None)  # a real run's (replay): its own steps and cap
     profile = cluster.profile()
-    trace = [dataclasses.replace(t, devices=min(t.devices, cluster.devices)) for t in trace]
+    if max(t.devices for t in trace) > cluster.devices:
+        worst = max(trace, key=lambda t: t.devices)
+        raise SimulateError(f"trace step {worst.step} asks for {worst.devices} devices; cluster {cluster.name!r} has {cluster.devices}")
+    given = cfg is not None
+    pm = None if given else job.prompt.mean
+    noisy = world if world is not None else load_world(cluster, job, prompt_mean=pm)
+    exact = type(noisy)(noisy.params, seed=noisy.seed, prompt_mean=noisy.prompt_mean, noise=False)
+    ground = Ground(world=noisy, exact=exact, profile=profile, restart_seconds=job.world.restart_seconds)
     with tempfile.TemporaryDirectory(prefix="nereus-sim-") as tmp:
         profile_path = write_profile(profile, os.path.join(work_dir or tmp, "device_profile.yaml"))
-        given = cfg is not None  # a real run's config: its records give the prompts' lengths
         if cfg is None:
-            cfg = initial_config(cluster, job, trace, profile_path)
-        truth = Truth(job.truth, profile, prompt_mean=None if given else job.prompt.mean)
-        active: dict[str, Policy] = {}
-        for name in policies:
-            kwargs = {"run_dir": os.path.join(run_dir, name)} if run_dir and name == "adaptive" else {}
-            active[name] = POLICIES[name](cfg, truth, **kwargs)
-        results = {name: PolicyResult(name=name) for name in policies}
-        metrics_logs = _open_logs(run_dir, cfg) if run_dir and "adaptive" in policies else None
-        seen = {name: cfg.nproc for name in policies}
-        truth_seconds = 0.0
-        try:
-            for t in trace:
-                running = []
-                for name, policy in active.items():
-                    t0 = time.perf_counter()
-                    if _prepare(policy, results[name], t, seen):
-                        running.append(name)
-                    results[name].wall_seconds += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                steps = truth.step_many([active[n].cfg for n in running], t, peaks=[active[n].reads_memory for n in running])
-                truth_seconds += time.perf_counter() - t0
-                for name, (metrics, seconds, oom) in zip(running, steps):
-                    ran_on, t0 = active[name].cfg, time.perf_counter()
-                    _account(active[name], results[name], t, metrics, seconds, oom, job)
-                    results[name].wall_seconds += time.perf_counter() - t0
-                    if metrics_logs is not None and name == "adaptive":
-                        metrics_logs.write(_metrics_line(metrics, ran_on))
-        finally:
-            if metrics_logs is not None:
-                metrics_logs.close()
-        for name, policy in active.items():
-            results[name].moves = list(policy.moves)
-            results[name].decision_ms = list(policy.decision_ms)
-            results[name].errors = list(policy.errors)
-    truth_info = {"wall_seconds": truth_seconds, "efficiency": dict(truth.model.coef), "noise": job.truth.noise, "memory_slack": job.truth.memory_slack,
-                  "memory_offset_gib": job.truth.memory_offset_gib, "transition_factor": job.truth.transition_factor}
+            cfg = initial_config(cluster, job, trace, profile_path, memory_gib=noisy.params.memory_gib)
+        loop = [p for p in policies if p in POLICIES]
+        results = run_loop(cfg, ground, trace, job, loop, run_dir) if loop else {}
+        info = {"world": noisy.params.name, "seed": noisy.seed, "noise": noisy.noisy, "restart_seconds": job.world.restart_seconds}
+        wanted = [p for p in policies if p in BASELINES]
+        if wanted:
+            t0 = time.perf_counter()
+            table_results, tinfo = run_baselines(cfg, ground, trace, job, wanted, results, oracle_set=oracle_set, pool_top=pool_top)
+            results.update(table_results)
+            info.update(tinfo, baselines_wall_seconds=time.perf_counter() - t0)
+        results = {name: results[name] for name in policies}
     return SimResult(cluster=cluster, job=job, trace_name=trace_name, trace=trace, initial_plan=label(cfg.plan), initial_cfg=cfg, results=results,
-                     sim_seconds=time.perf_counter() - start, truth=truth_info)
+                     sim_seconds=time.perf_counter() - start, truth=info)
+
+
+def run_loop(cfg: JobConfig, ground: Ground, trace: list[TraceStep], job: JobInput, names: list[str], run_dir: str | None) -> dict[str, PolicyResult]:
+    """The loop policies through the trace (module docstring)."""
+    active: dict[str, Policy] = {}
+    for name in names:
+        kwargs = {"run_dir": os.path.join(run_dir, name)} if run_dir and name == "adaptive" else {}
+        active[name] = POLICIES[name](cfg, ground, **kwargs)
+    results = {name: PolicyResult(name=name) for name in names}
+    metrics_logs = _open_logs(run_dir, cfg) if run_dir and "adaptive" in names else None
+    seen = {name: cfg.nproc for name in names}
+    try:
+        for t in trace:
+            running = []
+            for name, policy in active.items():
+                t0 = time.perf_counter()
+                if _prepare(policy, results[name], t, seen):
+                    running.append(name)
+                results[name].wall_seconds += time.perf_counter() - t0
+            cfgs = [active[n].cfg for n in running]
+            steps = ground.world.step_many(cfgs, t, peaks=[active[n].reads_memory for n in running])
+            booked = ground.exact.step_many(cfgs, t, peaks=[False] * len(cfgs)) if ground.exact is not ground.world else steps
+            for name, (metrics, _, _), (_, seconds, oom) in zip(running, steps, booked):
+                ran_on, t0 = active[name].cfg, time.perf_counter()
+                results[name].plans.append(ran_on)
+                _account(active[name], results[name], t, metrics, seconds, oom, job)
+                results[name].wall_seconds += time.perf_counter() - t0
+                if metrics_logs is not None and name == "adaptive":
+                    metrics_logs.write(_metrics_line(metrics, ran_on))
+    finally:
+        if metrics_logs is not None:
+            metrics_logs.close()
+    for name, policy in active.items():
+        results[name].moves = list(policy.moves)
+        results[name].decision_ms = list(policy.decision_ms)
+        results[name].errors = list(policy.errors)
+    return results
+
+
+def run_baselines(cfg: JobConfig, ground: Ground, trace: list[TraceStep], job: JobInput, names: list[str], ran: dict[str, PolicyResult],
+                  *, oracle_set: int, pool_top: int) -> tuple[dict[str, PolicyResult], dict]:
+    """The baselines over the candidate pool's table (``baselines.py``); the loop policies'
+    plans join the pool (and the oracle's set) on a trace whose devices do not change."""
+    t0 = time.perf_counter()
+    memory = ground.exact.params.memory_gib if cfg.device_memory_gib is None else cfg.device_memory_gib
+    templates = B.pool(cfg, trace, ground.profile, prompt_mean=ground.exact.prompt_mean,
+                       top=pool_top, memory_gib=memory)
+    table = B.Table(exact=ground.exact, trace=trace)
+    (initial,) = table.add([cfg])
+    table.add(templates)
+    visited = []
+    for r in ran.values():
+        visited += table.add(r.plans, pinned=True)
+    pool_size = len(table.templates)
+    best = B.refine(table, [B.best_static(table), initial], prompt_mean=ground.exact.prompt_mean)
+    pool_seconds = time.perf_counter() - t0
+    runs = table.runnable()
+    must = [best, initial, *visited]
+    ks = B.oracle_set(table, must, size=oracle_set)
+    out: dict[str, PolicyResult] = {}
+    paths: dict[str, B.Path] = {}
+    steps = [int(s) for s in np.flatnonzero(runs)]
+    for name in names:
+        t1 = time.perf_counter()
+        if name == "best_static":
+            if best is None:
+                out[name] = _unrun(name, trace, "no plan of the pool runs every step within the memory")
+                continue
+            picks = [best] * len(steps)
+        elif name == "initial_fixed":
+            if not np.isfinite(table.raw[initial, steps]).all():
+                out[name] = _unrun(name, trace, "the initial plan holds no replica on some step's devices")
+                continue
+            picks = [initial] * len(steps)
+        elif name == "oracle":
+            picks = B.viterbi(table, ks)
+        else:
+            picks = B.greedy(table, ks)
+        paths[name] = path = B.path_of(table, name, picks, restart_seconds=job.world.restart_seconds)
+        out[name] = _result(name, table, path, runs, time.perf_counter() - t1)
+    if "oracle" in paths:
+        bound = paths["oracle"].total
+        for name, p in paths.items():  # the set's policies: none beats the oracle
+            if name != "oracle" and (name != "best_static" or best in ks):
+                assert bound <= p.total * (1 + 1e-9) + 1e-9, f"oracle {bound} > {name} {p.total}"
+        for name, r in ran.items():
+            if not r.waits and set(table.add(r.plans, pinned=True)) <= set(ks):
+                assert bound <= r.run_seconds * (1 + 1e-9) + 1e-9, f"oracle {bound} > {name} {r.run_seconds}"
+    info = {"pool": pool_size, "refined": len(table.templates) - pool_size, "oracle_set": len(ks), "oracle_set_cap": oracle_set, "pool_wall_seconds": pool_seconds,
+            "loop_plans_in_set": len(set(visited)), "free_moves_seconds": B.free_moves(table),
+            "best_static_plan": label(table.templates[best].plan) if best is not None else None,
+            "best_static_devices": table.templates[best].nproc if best is not None else None}
+    return out, info
+
+
+def _unrun(name: str, trace: list[TraceStep], why: str) -> PolicyResult:
+    r = PolicyResult(name=name)
+    r.waits = [{"step": t.step, "devices": t.devices, "why": why} for t in trace]
+    r.steps = [{"step": t.step, "devices": t.devices, "seconds": None, "plan": None} for t in trace]
+    r.step_seconds = float("nan")
+    return r
+
+
+def _result(name: str, table: B.Table, path: B.Path, runs: np.ndarray, wall: float) -> PolicyResult:
+    r = PolicyResult(name=name, wall_seconds=wall)
+    for s, t in enumerate(table.trace):
+        k = path.picks[s]
+        if k < 0 or not runs[s]:
+            r.waits.append({"step": t.step, "devices": t.devices, "why": "no plan of the pool runs on these devices"})
+            r.steps.append({"step": t.step, "devices": t.devices, "seconds": None, "plan": None})
+            continue
+        c = table.scaled[k][t.devices]
+        r.steps.append({"step": t.step, "devices": c.nproc, "seconds": float(path.step_seconds[s]), "plan": label(c.plan)})
+        r.plans.append(c)
+    r.step_seconds = float(path.step_seconds.sum())
+    r.restart_seconds = 0.0
+    for s in path.restarts:
+        r.restarts.append({"step": table.trace[s].step, "why": "out of memory"})
+    for s, i, j, seconds in path.moves:
+        t = table.trace[s]
+        a, b = table.scaled[i][int(table.devices[s - 1]) if s else t.devices], table.scaled[j][t.devices]
+        kind = "transition" if (a is None or a.nproc == b.nproc) else "world"
+        r.moves.append(Move(step=t.step, kind=kind, trigger=name, seconds=seconds, predicted_s=None, nbytes=0,
+                            old=label(a.plan) if a is not None else "", new=label(b.plan), devices=b.nproc))
+        r.transition_seconds += seconds
+    return r
 
 
 def _prepare(policy: Policy, out: PolicyResult, t: TraceStep, seen: dict) -> bool:
@@ -182,7 +312,7 @@ def _account(policy: Policy, out: PolicyResult, t: TraceStep, metrics: dict, sec
     """Book a step that ran, then let the policy react (an admitted move costs its transition)."""
     out.step_seconds += seconds
     if oom or t.failed:
-        out.restart_seconds += job.truth.restart_seconds + seconds
+        out.restart_seconds += job.world.restart_seconds + seconds
         out.restarts.append({"step": t.step, "why": "out of memory" if oom else "failure"})
     out.steps.append({"step": t.step, "devices": policy.cfg.nproc, "seconds": seconds, "plan": label(policy.cfg.plan)})
     _book(out, policy.after(t, metrics))

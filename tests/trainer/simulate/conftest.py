@@ -2,7 +2,6 @@
 are tools/bench_simulate.py's)."""
 
 import pytest
-
 from nereus.trainer.simulate.inputs import load_cluster, load_job
 from nereus.trainer.simulate.traces import generate, load_trace_spec
 
@@ -25,4 +24,5 @@ def small_result(small, tmp_path_factory):
 
     cluster, job, trace = small
     run_dir = tmp_path_factory.mktemp("sim")
-    return simulate(cluster, job, trace, trace_name="drift-24", run_dir=str(run_dir)), run_dir
+    policies = ("best_static", "initial_fixed", "oracle", "greedy", "adaptive", "controller_greedy")
+    return simulate(cluster, job, trace, trace_name="drift-24", run_dir=str(run_dir), policies=policies), run_dir

@@ -1,8 +1,7 @@
 import pytest
-from typer.testing import CliRunner
-
 from nereus.cli.app import app
 from nereus.trainer.simulate.inputs import SimulateError, load_cluster, load_job
+from typer.testing import CliRunner
 
 from .conftest import CLUSTER, JOB
 
@@ -31,8 +30,10 @@ def test_bad_cluster_names_the_key(data, message):
     ({"algorithm": "dpo"}, "job key 'algorithm' must be one of 'ppo', 'grpo'"),
     ({"minibatch_size": 96}, "job key 'minibatch_size'=96 must divide the batch \\(1024 rows\\)"),
     ({"prompt": {"mean": 900, "max": 512}}, "job key 'prompt.mean' is out of range"),
-    ({"truth": {"efficiency": {"gemmm": 1.2}}}, "job key 'truth.efficiency.gemmm': unknown operation class"),
-    ({"truth": {"noize": 0.1}}, "unknown key 'truth.noize' \\(did you mean 'truth.noise'\\?\\)"),
+    ({"truth": {"noise": 0.1}}, "job key 'truth': the hidden truth is now the world"),
+    ({"world": {"noize": True}}, "unknown key 'world.noize' \\(did you mean 'world.noise'\\?\\)"),
+    ({"world": {"restart_seconds": -1}}, "job key 'world.restart_seconds' is out of range"),
+    ({"response": {"max": 100, "mean": 200}}, "job key 'response.mean' is out of range"),
 ])
 def test_bad_job_names_the_key(data, message):
     with pytest.raises(SimulateError, match=message):

@@ -3,10 +3,17 @@ import re
 
 import numpy as np
 import pytest
-
 from nereus.trainer.simulate.inputs import SimulateError
-from nereus.trainer.simulate.traces import (TraceStep, device_counts, from_run, generate, load_trace_spec, read_jsonl, sample_lengths,
-                                            write_jsonl)
+from nereus.trainer.simulate.traces import (
+    TraceStep,
+    device_counts,
+    from_run,
+    generate,
+    load_trace_spec,
+    read_jsonl,
+    sample_lengths,
+    write_jsonl,
+)
 
 
 def _gen(**over):

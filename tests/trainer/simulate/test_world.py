@@ -88,13 +88,10 @@ def test_the_world_imports_nothing_of_the_controller_nor_the_old_truth():
 
 
 def test_pieces_are_named_as_the_step_loop_measures_them():
-    from nereus.trainer.simulate.truth import (
-        pieces as truth_pieces,  # the rule the world copies (a test may import it)
-    )
-
-    for plan in (plan_of({"dp": 8}), {**plan_of({"dp": 8}), "critic": {"train": {"dp": 8}, "infer": {"dp": 8}}}):
-        cfg = job_cfg(plan, 8)
-        assert pieces(cfg) == truth_pieces(cfg)
+    ppo = job_cfg(plan_of({"dp": 8}), 8)
+    assert pieces(ppo) == ["actor.train", "actor.train.infer", "sync.actor.gen", "actor.gen", "critic.train", "critic.train.infer", "ref.infer"]
+    with_infer = job_cfg({**plan_of({"dp": 8}), "critic": {"train": {"dp": 8}, "infer": {"dp": 8}}}, 8)
+    assert "critic.train.infer" not in pieces(with_infer) and "sync.critic.infer" in pieces(with_infer)
     grpo = job_cfg({"actor": {"train": {"dp": 8}, "gen": {"dp": 8}}, "ref": {"infer": {"dp": 8}}}, 8, job={**JOB, "algorithm": "grpo"})
     assert pieces(grpo) == ["actor.train", "sync.actor.gen", "actor.gen", "ref.infer"]  # on-policy: no old log-probs
 

@@ -18,8 +18,8 @@ from nereus.trainer.controller.steptime import (
     StepTimeModel,
     nnls,
 )
+from nereus.trainer.simulate.baselines import workload
 from nereus.trainer.simulate.inputs import load_cluster, load_job
-from nereus.trainer.simulate.truth import workload
 from nereus.trainer.simulate.world import World
 
 from .test_world import step
