@@ -7,7 +7,7 @@ lengths of the trace (the quartiles of its longest responses, each with its step
 mean-to-longest ratio) × three memory budgets (the device's memory × 1, 0.75, 0.5, so that
 lean layouts the controller's memory model would reject at the full budget are offered
 too) × the trace's first, smallest and largest device counts; plus the initial plan and,
-after they ran, every plan the adaptive policies ran. Every plan of it is a *template*: its
+after they ran, every plan the loop policies ran (pinned). Every plan of it is a *template*: its
 TP/PP kept on other device counts, DP scaled to the devices there (``scale``: the largest DP
 the rows divide; a stage's ranks scaled in proportion). The pool covers packing (token
 budgets), recompute, micro-batches, both placements (colocated, split) and every TP/PP/FSDP
@@ -21,6 +21,13 @@ replica on the devices, or a rank's peak over the device's memory, ``World.feasi
 A transition between steps costs the world's own (``World.transition``, noise-free) — on a
 change of the devices a world move (both plans on explicit ranks of a world holding both).
 
+**Refined** (``refine``): from the pool's best static plan and the initial plan, a coordinate
+descent on the world over each model-stage's whole candidate space (``search.stage_candidates``:
+every layout, micro-batch, token budget and recompute the search enumerates, no beam, no prior),
+priced on a sample of the trace's steps; the plans it keeps join the table. Its result is a
+local optimum of the whole space — no one-stage change improves it
+(``tests/trainer/simulate/test_baselines.py`` checks every one) — not a global one.
+
 - ``best_static``: the template minimising Σ cost + its own world moves, finite at every step
   (exact over the pool: templates are taken in order of Σ cost and the scan stops once the
   next one's Σ cost alone exceeds the best total).
@@ -30,7 +37,7 @@ change of the devices a world move (both plans on explicit ranks of a world hold
   the step again, as the loop books it.
 - ``oracle``: dynamic programming over the steps (Viterbi) on a stated candidate set — the
   best static plan, the initial plan, every template that is the fastest at some step, the
-  adaptive policies' plans, then the fastest by Σ cost up to ``ORACLE_SET`` — with the
+  loop policies' plans as they ran (``pinned``), then the fastest by Σ cost up to ``ORACLE_SET`` — with the
   world's transition costs between every pair. Exact over that set: no sequence of its
   plans is faster (``tests/trainer/simulate/test_baselines.py`` checks it by enumeration).
 - ``greedy``: each step the set's fastest plan for that step, its transitions paid.

@@ -204,8 +204,8 @@ def run_loop(cfg: JobConfig, ground: Ground, trace: list[TraceStep], job: JobInp
 
 def run_baselines(cfg: JobConfig, ground: Ground, trace: list[TraceStep], job: JobInput, names: list[str], ran: dict[str, PolicyResult],
                   *, oracle_set: int, pool_top: int) -> tuple[dict[str, PolicyResult], dict]:
-    """The baselines over the candidate pool's table (``baselines.py``); the loop policies'
-    plans join the pool (and the oracle's set) on a trace whose devices do not change."""
+    """The baselines over the candidate pool's table (``baselines.py``), refined on the world;
+    the loop policies' plans join it (and the oracle's set) as they ran (pinned)."""
     t0 = time.perf_counter()
     memory = ground.exact.params.memory_gib if cfg.device_memory_gib is None else cfg.device_memory_gib
     templates = B.pool(cfg, trace, ground.profile, prompt_mean=ground.exact.prompt_mean,
