@@ -175,6 +175,7 @@ class Table:
     feasible: np.ndarray = None
     scaled: list[dict] = field(default_factory=list)  # per template: devices → its JobConfig there (None: none)
     _moves: dict = field(default_factory=dict)
+    restart_seconds: float = 0.0  # a failed step's restart (the job's world.restart_seconds)
 
     def __post_init__(self) -> None:
         self.devices = np.array([t.devices for t in self.trace])
@@ -216,7 +217,10 @@ class Table:
 
     @property
     def cost(self) -> np.ndarray:
-        return np.where(self.feasible, self.raw, np.inf)
+        """Seconds per template and step within the memory (inf: over it, or no replica); a step
+        the trace fails costs a restart and the step again, as the loop books it."""
+        failed = np.array([t.failed for t in self.trace], dtype=bool)
+        return np.where(self.feasible, self.raw + np.where(failed, self.raw + self.restart_seconds, 0.0), np.inf)
 
     def runnable(self) -> np.ndarray:
         """Steps some template runs (within the memory)."""
@@ -250,11 +254,13 @@ class Path:
     picks: list[int]
     step_seconds: np.ndarray
     moves: list[tuple[int, int, int, float]]  # (step index, from template, to template, seconds)
-    restarts: list[int] = field(default_factory=list)  # step indices that ran out of memory
+    restarts: list[int] = field(default_factory=list)  # step indices that ran out of memory or failed
+    restart_seconds: np.ndarray | None = None  # per step: a restart and the step again (0: none)
 
     @property
     def total(self) -> float:
-        return float(self.step_seconds.sum() + sum(m[3] for m in self.moves))
+        redo = 0.0 if self.restart_seconds is None else float(self.restart_seconds.sum())
+        return float(self.step_seconds.sum() + redo + sum(m[3] for m in self.moves))
 
 
 def _run_steps(table: Table) -> list[int]:
@@ -265,17 +271,17 @@ def path_of(table: Table, name: str, picks: list[int], *, restart_seconds: float
     """A sequence of templates over the runnable steps, booked: its steps' seconds (a step over
     the memory: a restart and the step again), the transitions between its choices."""
     steps = _run_steps(table)
-    secs = np.zeros(len(table.trace))
+    secs, redo = np.zeros(len(table.trace)), np.zeros(len(table.trace))
     moves, restarts, prev = [], [], None
     full = [-1] * len(table.trace)
-    for s, k in zip(steps, picks):
+    for s, k in zip(steps, picks, strict=True):
         full[s] = k
         raw = table.raw[k, s]
         if not np.isfinite(raw):
             raise SimulateError(f"{name}: template {k} cannot run step {s + 1}")
         secs[s] = raw
-        if not table.feasible[k, s]:
-            secs[s] += raw + restart_seconds
+        if not table.feasible[k, s] or table.trace[s].failed:  # a restart and the step again, booked under restarts
+            redo[s] = raw + restart_seconds
             restarts.append(s)
         if prev is not None:
             ps, pk = prev
@@ -283,7 +289,7 @@ def path_of(table: Table, name: str, picks: list[int], *, restart_seconds: float
             if pk != k or a != b:
                 moves.append((s, pk, k, table.move(pk, k, a, b, s + 1)))
         prev = (s, k)
-    return Path(name=name, picks=full, step_seconds=secs, moves=moves, restarts=restarts)
+    return Path(name=name, picks=full, step_seconds=secs, moves=moves, restarts=restarts, restart_seconds=redo)
 
 
 def static_total(table: Table, k: int) -> float:

@@ -210,7 +210,7 @@ def run_baselines(cfg: JobConfig, ground: Ground, trace: list[TraceStep], job: J
     memory = ground.exact.params.memory_gib if cfg.device_memory_gib is None else cfg.device_memory_gib
     templates = B.pool(cfg, trace, ground.profile, prompt_mean=ground.exact.prompt_mean,
                        top=pool_top, memory_gib=memory)
-    table = B.Table(exact=ground.exact, trace=trace)
+    table = B.Table(exact=ground.exact, trace=trace, restart_seconds=job.world.restart_seconds)
     (initial,) = table.add([cfg])
     table.add(templates)
     visited = []
@@ -278,9 +278,9 @@ def _result(name: str, table: B.Table, path: B.Path, runs: np.ndarray, wall: flo
         r.steps.append({"step": t.step, "devices": c.nproc, "seconds": float(path.step_seconds[s]), "plan": label(c.plan)})
         r.plans.append(c)
     r.step_seconds = float(path.step_seconds.sum())
-    r.restart_seconds = 0.0
+    r.restart_seconds = float(path.restart_seconds.sum())
     for s in path.restarts:
-        r.restarts.append({"step": table.trace[s].step, "why": "out of memory"})
+        r.restarts.append({"step": table.trace[s].step, "why": "failure" if table.trace[s].failed else "out of memory"})
     for s, i, j, seconds in path.moves:
         t = table.trace[s]
         a, b = table.scaled[i][int(table.devices[s - 1]) if s else t.devices], table.scaled[j][t.devices]
