@@ -242,9 +242,6 @@ class Table:
                 self._moves[key] = self.exact.transition(big, explicit(x.plan, x.nproc), explicit(y.plan, y.nproc), step)[0]
         return self._moves[key]
 
-    def matrix(self, ks: list[int], a: int, b: int) -> np.ndarray:
-        return np.array([[self.move(i, j, a, b) for j in ks] for i in ks])
-
 
 @dataclass
 class Path:
