@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Iterator, List, Optional
@@ -50,8 +51,8 @@ def train(
     except (ConfigError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    preflight(cfg, max_restarts)
     with hold_run_dir(cfg.run_dir, nnodes) as locked:  # before anything in the run dir is read or changed
+        preflight(cfg, max_restarts)  # slow (imports, tokenizer): a busy run dir is refused before it
         if resume:
             from nereus.trainer.elastic.resume import resumed_plan
 
@@ -81,22 +82,29 @@ def hold_run_dir(run_dir: str, nnodes: str) -> Iterator[bool]:
     """The run dir's lock (``trainer/elastic/run_lock.py``) held by this launcher for the
     job's whole life, restarts included, when it is the holder — one node, not under
     torchrun (yields True; what killed launches of this run dir left in /dev/shm is removed
-    under it) — else nothing (yields False: global rank 0's worker takes it). Exit 2 with
-    one line naming the holder while a live job holds it."""
+    under it) — else nothing (yields False: global rank 0's worker takes it; on several nodes
+    this node's semaphores of dead launchers of the run dir are removed). Exit 2 with one line
+    naming the holder while a live job holds it, or its dead launcher's workers still run,
+    or naming the run dir's filesystem when it has no ``flock``."""
     from nereus.launch import parse_nnodes, remove_stale_semaphores, under_torchrun
-    from nereus.trainer.elastic.run_lock import RunDirBusy, RunLock
+    from nereus.trainer.elastic.run_lock import NoFlock, RunDirBusy, RunLock
     from nereus.trainer.elastic.staging import run_id
 
-    if under_torchrun() or parse_nnodes(nnodes)[1] > 1:
+    if under_torchrun():
+        yield False
+        return
+    if parse_nnodes(nnodes)[1] > 1:
+        remove_stale_semaphores(run_id(run_dir))  # only those whose launcher pid is gone: other launches may run
         yield False
         return
     try:
         lock = RunLock(run_dir).acquire()
-    except (RunDirBusy, OSError) as e:
-        typer.echo(f"error: {e}" if isinstance(e, RunDirBusy) else f"error: cannot lock run dir {run_dir}: {e}", err=True)
+    except (RunDirBusy, NoFlock, OSError) as e:
+        known = isinstance(e, (RunDirBusy, NoFlock))
+        typer.echo(f"error: {e}" if known else f"error: cannot lock run dir {run_dir}: {e}", err=True)
         raise typer.Exit(2) from None
     try:
-        remove_stale_semaphores(run_id(run_dir))
+        remove_stale_semaphores(run_id(run_dir), locked=True)
         yield True
     finally:
         lock.release()
@@ -112,10 +120,13 @@ def preflight(cfg, max_restarts: int = 0) -> None:
     from nereus.trainer.data.prompts import check_inputs
     from nereus.trainer.metrics.trackers import check_trackers
 
-    from nereus.trainer.elastic.staging import check_staging_dir, node_staging_dir, staging_root
+    from nereus.trainer.elastic.staging import check_staging_dir, legacy_staging, node_staging_dir, staging_base, staging_root
 
     try:
         node_staging_dir()  # NEREUS_STAGING_DIR, this node's own staging path
+        old = legacy_staging(staging_base(cfg))
+        if old and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            typer.echo(f"nereus: {old}", err=True)
         if cfg.elastic.staging == "always" or (cfg.elastic.staging == "auto" and max_restarts > 0):
             refused = check_staging_dir(staging_root(cfg))  # another user's, a link, or writable by others
             if refused:
@@ -156,7 +167,8 @@ def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv
         try:
             last = run_worker(cfg, resume, overwrite)
         except RunDirBusy as e:  # a failed round (exit 1): torchrun's agent restarts it while it may
-            typer.echo(f"error: {e}", err=True)
+            if speaks():
+                typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
     else:
         try:
@@ -173,10 +185,17 @@ def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
     if "error" in last:
-        typer.echo(f"error: {last['error']}", err=True)
+        if not under_torchrun() or speaks():
+            typer.echo(f"error: {last['error']}", err=True)
         raise typer.Exit(1)
     typer.echo(json.dumps({k: last[k] for k in ("step", "reward_mean", "kl", "tokens_per_s") if k in last}))
     typer.echo(f"metrics: {Path(cfg.run_dir) / 'metrics.jsonl'}")
+
+
+def speaks() -> bool:
+    """Whether this process prints the job's error under torchrun: its node's local rank 0
+    only (every rank has the same error; one line per node, not one per rank)."""
+    return int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
 
 
 def failure_line(e) -> str:

@@ -39,10 +39,19 @@ Semaphores: torch's agent makes multiprocessing semaphores for every start of th
 ``/dev/shm`` (``sem.mp-XXXX``). A clean exit unlinks them, and so does the launcher's resource
 tracker when the launcher alone dies; a SIGKILL of the whole process group (the tracker with
 it) leaves them until reboot. ``launch_local(..., shm_tag=...)`` names them
-``sem.nereus-<tag>-XXXX`` (``named_semaphores``: the ``semprefix`` CPython's
+``sem.nereus-<tag>.<launcher pid>-XXXX`` (``named_semaphores``: the ``semprefix`` CPython's
 ``multiprocessing`` reads from the process's config; spawned children inherit it), so that
-the next launch on the same run dir, holding its lock, removes what a killed one left
-(``remove_stale_semaphores``). Under torchrun its own agent makes them, named as torch does.
+every later launch on the same run dir, on one node or several, removes what a killed one
+left on its node — the files whose launcher pid no longer runs (``remove_stale_semaphores``;
+under the run dir's lock also an older Nereus's ``sem.nereus-<tag>-XXXX``). Under torchrun its
+own agent makes them, named as torch does (``sem.mp-*``): Nereus cannot tell them from other
+programs' and leaves them.
+
+Workers and their launcher: the launcher hands its workers ``NEREUS_LAUNCHER`` (its pid and
+the agent run id), and each worker asks the kernel for SIGKILL when the launcher dies
+(``run_lock.die_with_launcher``), so a SIGKILLed launcher leaves no worker writing the run dir.
+Every round also hands the workers the launch's id (``NEREUS_LAUNCH_ID``, ``launch_id``), by
+which the run dir's lock tells this launch's rounds from another launch reusing its ``--rdzv-id``.
 """
 
 from __future__ import annotations
@@ -81,6 +90,7 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 
 RDZV_ROUND_ENV = "NEREUS_RDZV_ROUND"
+LAUNCH_ID_ENV = "NEREUS_LAUNCH_ID"  # trainer/elastic/run_lock.py reads it (the same name there)
 
 
 def publish_store_every_round() -> None:
@@ -105,6 +115,9 @@ def publish_store_every_round() -> None:
     def next_rendezvous(self):
         info = real(self)
         os.environ[RDZV_ROUND_ENV] = f"{self._settings.run_id}:{self._state_holder.state.round}"
+        launch = launch_id(self)
+        if launch:
+            os.environ[LAUNCH_ID_ENV] = f"{self._settings.run_id}:{launch}"
         if not self.use_agent_store:
             return info
         keys = RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY
@@ -120,6 +133,28 @@ def publish_store_every_round() -> None:
     next_rendezvous.nereus_wrapped = True
     dr.DynamicRendezvousHandler.next_rendezvous = next_rendezvous
     continue_on_close()
+
+
+def launch_id(handler) -> str | None:
+    """This launch's id, the same for every round and node of it: set once in the rendezvous
+    store (``compare_set``: the first agent's wins), which lives as long as the launch — a
+    new launch reusing a ``--rdzv-id`` meets a new store, so a new id (``run_lock``'s same
+    job). None when the store cannot tell (another backend's)."""
+    import uuid
+
+    cached = getattr(handler, "_nereus_launch_id", None)
+    if cached:
+        return cached
+    try:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(f"nereus.launch.{handler._settings.run_id}", handler._store)
+        value = store.compare_set("id", "", uuid.uuid4().hex[:12])
+        value = value.decode() if isinstance(value, bytes) else str(value)
+    except Exception:  # noqa: BLE001 - no launch id: the rdzv id alone names the job
+        return None
+    handler._nereus_launch_id = value or None
+    return handler._nereus_launch_id
 
 
 def continue_on_close() -> None:
@@ -170,9 +205,20 @@ def rendezvous_timeout(collective_timeout_s: float) -> float:
 SHM = "/dev/shm"
 
 
-def sem_prefix(tag: str) -> str:
-    """The semaphore names of a launch tagged ``tag`` (``/nereus-<tag>``: files ``sem.nereus-<tag>-XXXX``)."""
-    return f"/nereus-{tag}"
+def sem_prefix(tag: str, pid: int | None = None) -> str:
+    """The semaphore names of a launch tagged ``tag`` by the launcher ``pid`` (this
+    process's by default): ``/nereus-<tag>.<pid>``, files ``sem.nereus-<tag>.<pid>-XXXX``."""
+    return f"/nereus-{tag}.{os.getpid() if pid is None else pid}"
+
+
+def sem_pid(name: str, tag: str) -> int | None:
+    """The launcher pid in a semaphore file's name of ``tag`` (``sem_prefix``), None for one
+    of an older Nereus (``sem.nereus-<tag>-XXXX``, no pid) (pure)."""
+    head = f"sem.nereus-{tag}."
+    if not name.startswith(head):
+        return None
+    pid = name[len(head):].partition("-")[0]
+    return int(pid) if pid.isdecimal() else None
 
 
 @contextlib.contextmanager
@@ -193,9 +239,11 @@ def named_semaphores(tag: str | None) -> Iterator[None]:
 
 
 def stale_semaphores(tag: str, shm: str = SHM) -> list[str]:
-    """The semaphore files of launches tagged ``tag`` in ``shm`` that this user owns."""
+    """The semaphore files of launches tagged ``tag`` in ``shm`` that this user owns (live
+    launches' too)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(shm, f"sem.{sem_prefix(tag).lstrip('/')}-*"))):
+    found = glob.glob(os.path.join(shm, f"sem.nereus-{tag}.*")) + glob.glob(os.path.join(shm, f"sem.nereus-{tag}-*"))
+    for path in sorted(found):
         try:
             if os.lstat(path).st_uid == os.geteuid():
                 out.append(path)
@@ -204,11 +252,26 @@ def stale_semaphores(tag: str, shm: str = SHM) -> list[str]:
     return out
 
 
-def remove_stale_semaphores(tag: str, shm: str = SHM) -> list[str]:
-    """Unlink what killed launches tagged ``tag`` left in ``shm`` (call only while no launch
-    of the tag runs: under the run dir's lock); returns what went."""
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_semaphores(tag: str, shm: str = SHM, *, locked: bool = False) -> list[str]:
+    """Unlink what killed launches tagged ``tag`` left in ``shm``: the files whose launcher
+    pid (``sem_pid``) no longer runs — safe on any node at any time, so every launch does it,
+    one node or several — and, with ``locked`` (under the run dir's lock: no launch of the
+    tag runs), an older Nereus's files without a pid too; returns what went."""
     gone = []
     for path in stale_semaphores(tag, shm):
+        pid = sem_pid(os.path.basename(path), tag)
+        if (pid is None and not locked) or (pid is not None and (pid == os.getpid() or pid_alive(pid))):
+            continue
         try:
             os.unlink(path)
             gone.append(path)
@@ -291,12 +354,16 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "
         start_method="spawn",
         monitor_interval=0.1,
     )
+    from nereus.trainer.elastic.run_lock import LAUNCHER_ENV, launcher_env
+
     publish_store_every_round()
+    os.environ[LAUNCHER_ENV] = launcher_env(run_id)  # the workers die with this process (run_lock.die_with_launcher)
     try:
         with named_semaphores(shm_tag), one_line_failures(one_line_errors):
             return elastic_launch(config, fn)(*args)
     finally:  # this launch's round must not reach what this process starts later
-        os.environ.pop(RDZV_ROUND_ENV, None)
+        for name in (RDZV_ROUND_ENV, LAUNCH_ID_ENV, LAUNCHER_ENV):
+            os.environ.pop(name, None)
 
 
 def own_result(results: dict[int, Any]) -> Any:

@@ -1,7 +1,7 @@
 """Kill matrix: SIGKILL (or SIGSTOP) at a random moment inside each phase of a job, then check it.
 
     python tools/bench_faults.py [--trials 5] [--phases step,save,stage,transition,resume,hang]
-                                 [--targets job,worker] [--seed 0] [--out bench_results/faults.json]
+                                 [--targets job,worker,launcher] [--seed 0] [--out bench_results/faults.json]
 
 As torchelastic tests its restarts and Orbax/DCP test that a save is atomic, but end to end:
 the job is ``nereus train`` on tiny_grpo's task, 2 CPU processes (actor.train FSDP over dp2,
@@ -20,7 +20,12 @@ restore); the bench follows the file, waits for the chosen phase's start on a ra
 sleeps a random part of the first 80 % of that phase's duration on that rank in an unkilled
 run of the same job (the phase's median there), and
 kills: the whole job (``killpg``: launcher, its resource tracker, workers; then
-``nereus resume RUN --max-restarts 3``) or that one worker (its agent restarts the group).
+``nereus resume RUN --max-restarts 3``), that one worker (its agent restarts the group), or
+(``launcher``, in the step and stage phases) the launcher process alone: its run-dir lock
+is freed while its workers may still run, so ``nereus resume`` is started at once and again
+every 0.5 s while it is refused (the workers hold ``RUN_DIR/.lock.workers``); ``overlap``
+counts the old workers still alive when the resumed job's restore began (bar 0: the new run
+never shares the run dir, nor its staging, with them).
 ``resume``: a first kill mid-step, then the second inside the restore that follows it.
 ``hang``: one worker SIGSTOPped mid-step (it neither dies nor answers): its peers' collectives
 time out, the agent stops the group and restarts it. A trial is "landed" when the phase's end
@@ -39,7 +44,7 @@ SIGSTOP -> the restarted workers' restore began (bar: collective_timeout_s + 30)
 
 Prints a table per phase, writes ``--out``, and ends with one JSON line: trials,
 jobs_completed, steps_duplicated, committed_steps_lost, max_steps_recomputed, hang_detect_s,
-final_weights_max_diff, shm_leaked_files.
+final_weights_max_diff, shm_leaked_files, launcher_kill_overlap, launcher_resumes_refused.
 """
 
 from __future__ import annotations
@@ -65,7 +70,11 @@ PLAN = ["nproc=2", "plan.actor.train.dp=2", "plan.actor.gen.dp=1", "plan.actor.g
         "plan.ref.infer.tp=2"]
 FORCE = json.dumps({"actor": {"train": {"dp": 1, "tp": 2}}})
 PHASES = ("step", "save", "stage", "transition", "resume", "hang")
-TARGETS = ("job", "worker")
+TARGETS = ("job", "worker", "launcher")
+LAUNCHER_PHASES = ("step", "stage")
+"""The phases the ``launcher`` target (SIGKILL of the launcher process alone) runs in: a step,
+and a staging write in flight (the background thread that once outlived its worker)."""
+REFUSED = "is still written by workers of a job whose launcher is gone"
 CLI = [sys.executable, "-c", "from nereus.cli.app import main; main()"]
 
 
@@ -118,6 +127,9 @@ class Job:
                     return m
             time.sleep(0.002)
         return None
+
+    def last_log(self) -> str:
+        return (self.dir / f"launch{self.launches}.log").read_text(errors="replace")
 
     def log_text(self) -> str:
         return "".join((self.dir / f"launch{i}.log").read_text(errors="replace") for i in range(1, self.launches + 1))
@@ -243,12 +255,46 @@ def strike(job: Job, proc: subprocess.Popen, mark: dict, window: float, target: 
     before = metrics(job.run)
     if target == "job":
         kill_group(proc)
+    elif target == "launcher":  # the launcher process alone: its workers and resource tracker are not signalled
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
     else:
         os.kill(mark["pid"], sig)
     t = time.time()
     ended = any(m["phase"] == mark["phase"] and m["step"] == mark["step"] and m["pid"] == mark["pid"] and m["edge"] == "end"
                 and m["t"] < t for m in job.read())
     return {"t": t, "landed": not ended, "logged": max((r["step"] for r in before), default=0), "committed": committed(job)}
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie its new parent has not reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def resume_after_launcher(job: Job, old: set[int], killed_t: float, deadline: float) -> tuple[subprocess.Popen, dict]:
+    """After the launcher alone was SIGKILLed: ``nereus resume`` at once, again every 0.5 s
+    while it is refused because the dead launcher's workers still run. ``overlap``: how many
+    of those workers were alive when the resumed job's first restore began (bar 0: the new
+    run never shares the run dir with them); ``orphans_s``: kill -> the last of them gone."""
+    refused, gone_s = 0, None
+    while True:
+        proc = job.start(resume=True)
+        while proc.poll() is None and time.monotonic() < deadline:
+            alive = [p for p in old if pid_alive(p)]
+            if not alive and gone_s is None:
+                gone_s = time.time() - killed_t
+            if any(m["pid"] not in old and m["phase"] == "restore" for m in job.read()):
+                return proc, {"refused": refused, "overlap": len(alive), "orphans_s": gone_s}
+            time.sleep(0.005)
+        if proc.poll() == 2 and REFUSED in job.last_log() and time.monotonic() < deadline:
+            refused += 1
+            time.sleep(0.5)
+            continue
+        return proc, {"refused": refused, "overlap": None, "orphans_s": gone_s}
 
 
 def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: random.Random) -> dict:
@@ -288,6 +334,9 @@ def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: rando
         out.update(landed=hit["landed"], logged=hit["logged"], committed=hit["committed"])
         if target == "job" and phase != "hang":
             proc = job.start(resume=True)
+        elif target == "launcher":
+            proc, after = resume_after_launcher(job, {m["pid"] for m in job.read()}, hit["t"], deadline)
+            out.update(after)
     rc = finish(job, proc, deadline)
     rows = metrics(job.run)
     steps = [r["step"] for r in rows]
@@ -313,7 +362,8 @@ def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: rando
 
 
 def table(results: list[dict]) -> None:
-    cols = ("target", "trial", "landed", "completed", "dup", "lost", "recomputed", "diff", "shm", "detect_s", "restores", "wall_s")
+    cols = ("target", "trial", "landed", "completed", "dup", "lost", "recomputed", "diff", "shm", "detect_s", "overlap",
+            "restores", "wall_s")
     for phase in PHASES:
         rows = [r for r in results if r["phase"] == phase]
         if not rows:
@@ -337,6 +387,7 @@ def summary(results: list[dict]) -> dict:
     diffs = [r["diff"] for r in results if r.get("diff") is not None]
     detects = [r["detect_s"] for r in results if r.get("detect_s") is not None]
     hangs = [r for r in results if r["phase"] == "hang"]
+    launched = [r for r in results if r["target"] == "launcher" and "error" not in r]
     return {
         "trials": len(results),
         "trials_landed": sum(bool(r.get("landed")) for r in results),
@@ -347,6 +398,11 @@ def summary(results: list[dict]) -> dict:
         "hang_detect_s": (max(detects) if len(detects) == len(hangs) else None) if hangs else None,
         "final_weights_max_diff": max(diffs) if diffs else None,
         "shm_leaked_files": sum(len(r["shm"]) for r in results),
+        # the launcher alone SIGKILLed: its workers alive when the resumed job's restore began (bar 0; None: no such trial
+        # or one never resumed), and how often a resume was refused while they ran
+        "launcher_kill_overlap": (None if any(r.get("overlap") is None for r in launched) else
+                                  sum(r["overlap"] for r in launched)) if launched else None,
+        "launcher_resumes_refused": sum(r.get("refused", 0) for r in launched),
     }
 
 
@@ -354,7 +410,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5, help="trials per phase and target")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {','.join(PHASES)}")
-    parser.add_argument("--targets", default=",".join(TARGETS), help="job (the whole process group), worker (one worker)")
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"job (the whole process group), worker (one worker), launcher (the launcher process alone; "
+                             f"phases {','.join(LAUNCHER_PHASES)} only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "bench_results" / "faults.json"))
     args = parser.parse_args()
@@ -371,7 +429,7 @@ def main() -> None:
           + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(ref["durations"].items())), flush=True)
     results = []
     for phase in phases:
-        for target in (["worker"] if phase == "hang" else targets):
+        for target in (["worker"] if phase == "hang" else [t for t in targets if t != "launcher" or phase in LAUNCHER_PHASES]):
             for i in range(args.trials):
                 r = trial(base, ref, phase, target, i, rng)
                 results.append(r)
@@ -388,7 +446,8 @@ def main() -> None:
             "final_weights_max_diff": out["final_weights_max_diff"] is not None and out["final_weights_max_diff"] <= WEIGHTS_BAND,
             # a hang trial that was never detected fails: None is not a pass
             "hang_detect_s": not any(r["phase"] == "hang" for r in results)
-            or (out["hang_detect_s"] is not None and out["hang_detect_s"] <= TIMEOUT_S + 30)}
+            or (out["hang_detect_s"] is not None and out["hang_detect_s"] <= TIMEOUT_S + 30),
+            "launcher_kill_overlap": not any(r["target"] == "launcher" for r in results) or out["launcher_kill_overlap"] == 0}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"summary": out, "bars": bars, "collective_timeout_s": TIMEOUT_S,
                                           "wall_s": time.monotonic() - t0, "trials": results,

@@ -71,12 +71,13 @@ def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> 
     ``is_restart``; ``restoring``: ``resume`` or a restart; ``lineage``: the launch's
     published lineage on a restart, a new one on a fresh start. ``lock`` (rank 0's, when
     the launcher does not hold the run dir's: ``run_lock.RunLock``) is taken first; a live
-    job's is the error (``busy`` True: ``run_worker`` raises it on every rank). A fresh start clears every node's staged copies (its local rank 0);
+    job's is the error (``busy`` True: ``run_worker`` raises it on every rank). Then every
+    rank takes ``LOCK_SH`` on ``.lock.workers`` for its life (``run_lock.hold_for_worker``). A fresh start clears every node's staged copies (its local rank 0);
     with ``overwrite`` not None (the launcher left the run dir to the workers: under
     torchrun, several nodes) rank 0 also refuses an earlier run's checkpoints or deletes
     them (``fresh_run_dir``) — never on a restart."""
     from .lineage import is_restart, launch_lineage, new_lineage
-    from .run_lock import SAME_JOB_WAIT_S, RunDirBusy
+    from .run_lock import NoFlock, RunDirBusy, hold_for_worker, same_job_wait_s
 
     decision: list = [None]
     if dist.get_rank() == 0:
@@ -84,11 +85,11 @@ def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> 
         lineage = launch_lineage() if restart else None
         error, busy = None, False
         if lock is not None:
-            try:
-                lock.acquire(wait_same_job_s=SAME_JOB_WAIT_S)
-            except (RunDirBusy, OSError) as e:
+            try:  # waits at most half the collective timeout the other ranks wait in the broadcast below with
+                lock.acquire(wait_same_job_s=same_job_wait_s(cfg.elastic.collective_timeout_s))
+            except (RunDirBusy, NoFlock, OSError) as e:
                 busy = isinstance(e, RunDirBusy)
-                error = str(e) if busy else f"cannot lock run dir {cfg.run_dir}: {e}"
+                error = str(e) if isinstance(e, (RunDirBusy, NoFlock)) else f"cannot lock run dir {cfg.run_dir}: {e}"
         if error is None and not (resume or restart) and overwrite is not None:
             try:
                 error = fresh_run_dir(cfg.run_dir, overwrite)
@@ -99,6 +100,11 @@ def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> 
                        "busy": busy}
     dist.broadcast_object_list(decision, src=0)
     out = decision[0]
+    if not out["error"]:  # before this rank writes anything: an acquirer refuses the run dir while it lives (run_lock.py)
+        try:
+            hold_for_worker(cfg.run_dir)
+        except (RunDirBusy, NoFlock) as e:
+            out = {**out, "error": str(e), "busy": isinstance(e, RunDirBusy)}
     if not out["restoring"] and not out["error"]:
         if local_rank() == 0:
             clear_staging(staging_root(cfg))  # an earlier run's staged copy must not come back

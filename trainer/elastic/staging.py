@@ -110,6 +110,24 @@ def staging_root(cfg) -> str:
     return os.path.join(staging_base(cfg), f"nereus-{run_id(cfg.run_dir)}")
 
 
+def legacy_staging(base: str) -> str | None:
+    """One line naming staged copies an older Nereus left directly in the staging base
+    (``<base>/meta``, not ``<base>/nereus-<run id>``): never found, never restored and never
+    cleared by this version (they may be another run's), so they hold node memory until
+    removed by hand. None when there are none (reads only)."""
+    meta = os.path.join(base, "meta")
+    if not os.path.isdir(meta) or os.path.islink(meta):
+        return None
+    try:
+        held = [os.path.join(base, p) for p in ("meta", "data") if os.path.lexists(os.path.join(base, p))]
+        size = sum(tree_bytes(p) for p in held)
+    except OSError:
+        held, size = [meta], 0
+    return (f"staging dir {base} holds staged copies in an older layout ({' and '.join(held)}, {size / (1 << 20):.1f} MiB; "
+            f"this version stages in {base}/nereus-<run id>): they are neither restored nor cleared; remove them "
+            f"(rm -r {' '.join(held)}) once no older run needs them")
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0") or 0)
 

@@ -79,7 +79,8 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     fresh start's rank 0 refuses an earlier run's checkpoints, or deletes them with
     ``overwrite`` — never a restart. ``locked``: the launcher holds the run dir's lock
     (``trainer/elastic/run_lock.py``); else global rank 0 takes it before it looks at the run
-    dir and holds it until it exits; while another job holds it every rank raises
+    dir and holds it until it exits; every rank holds ``LOCK_SH`` on ``RUN_DIR/.lock.workers``
+    from the start's decision on, for its process's life (``agree_start``); while another job holds it every rank raises
     ``RunDirBusy`` (one line naming the run dir and the holder): the worker exits non-zero, so
     an elastic agent counts a failed round and restarts it while it may. Returns the last step's metrics, or ``{"error":
     message}`` on every rank when the job stopped on a non-finite loss (the last committed
@@ -87,16 +88,19 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     checkpoints, or cannot be locked), or no source could be restored.
     """
     from ..elastic.restore import agree_start
-    from ..elastic.run_lock import RunDirBusy, RunLock
+    from ..elastic.run_lock import LAUNCH_ID_ENV, RunDirBusy, RunLock, die_with_launcher, launch_of
 
     times = {"entry": time.time()}  # when this attempt's worker started, for tools/bench_elastic.py's recovery split
+    die_with_launcher()  # spawned by Nereus's launcher: SIGKILLed when it dies, never left writing (run_lock.py)
     device = worker_device(cfg)
     join_process_group(device, cfg.elastic.collective_timeout_s)
     times["joined"] = time.time()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or cfg.nproc  # this node's workers share its cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     torch.manual_seed(cfg.seed)
-    lock = RunLock(cfg.run_dir, job=os.environ.get("TORCHELASTIC_RUN_ID")) if not locked and dist.get_rank() == 0 else None
+    agent_run = os.environ.get("TORCHELASTIC_RUN_ID")
+    lock = RunLock(cfg.run_dir, job=agent_run, launch=launch_of(os.environ.get(LAUNCH_ID_ENV), agent_run)) \
+        if not locked and dist.get_rank() == 0 else None
     try:
         start = agree_start(cfg, resume, overwrite, lock)  # fresh: no earlier run's staged copy comes back
         if start.get("busy"):  # every rank: a failed round (non-zero exit), which the agent restarts while it may

@@ -1,8 +1,9 @@
 """One job per run dir, and nothing of a job's left in /dev/shm: the run dir's lock (a live holder
-named, a stale one taken over, a busy one failing the round non-zero on several nodes, torchrun's
-default run id never "the same job"), a second `nereus train` refused at once while the first
-completes, and the whole /dev/shm listing compared before and after a clean run and a SIGKILLed
-run + resume."""
+named, a stale one taken over, a dead launcher's live workers refusing it, a filesystem without
+flock, a busy one failing the round non-zero on several nodes, torchrun's default run id and
+another launch of a reused one never "the same job"), a SIGKILLed launcher's worker dying with
+it, a second `nereus train` refused at once while the first completes, and the job's own
+/dev/shm entries before and after a clean run and a SIGKILLed run + resume."""
 
 import json
 import os
@@ -13,8 +14,10 @@ import time
 
 import pytest
 
-from nereus.trainer.elastic.run_lock import (Holder, RunDirBusy, RunLock, busy_message, job_identity, parse_holder, stale_message,
-                                            waits_for)
+from nereus.trainer.elastic import run_lock
+from nereus.trainer.elastic.run_lock import (Holder, NoFlock, RunDirBusy, RunLock, busy_message, hold_for_worker, job_identity,
+                                            launch_of, parse_holder, same_job_wait_s, spawned_by, stale_message, waits_for,
+                                            workers_message)
 from tests.trainer.elastic.common import ONE, SMALL, TINY_GRPO, read_metrics
 
 
@@ -30,8 +33,8 @@ def test_the_lock_names_its_live_holder_and_takes_a_dead_ones_over(tmp_path, cap
     assert parse_holder(json.dumps({"host": "h", "pid": 12, "started": 0.0, "job": "J"})) == holder
     assert parse_holder("") is None and parse_holder("{not json") is None
     assert "is in use by another job (pid 12 on host h, started" in busy_message(run_dir, holder)
-    assert stale_message(run_dir, holder, alive=False).endswith("that process is gone")
-    assert stale_message(run_dir, holder, alive=None).endswith("its holder no longer holds it")  # another host
+    assert stale_message(run_dir, holder, alive=False).endswith("that process has exited, and none of its workers holds the run dir")
+    assert "its holder no longer holds it, and none" in stale_message(run_dir, holder, alive=None)  # another host
     assert "lock passes from this job's previous round" in stale_message(run_dir, holder, alive=False, job="J")  # a restart
 
     first = RunLock(run_dir).acquire()
@@ -47,11 +50,145 @@ def test_the_lock_names_its_live_holder_and_takes_a_dead_ones_over(tmp_path, cap
         json.dump({"host": os.uname().nodename, "pid": dead, "started": time.time() - 60, "job": None}, f)
     lock = RunLock(run_dir).acquire()
     line = f"nereus: took over the stale lock of run dir {run_dir} (pid {dead} on host"
-    assert lock.took_over.startswith(line) and lock.took_over.endswith("that process is gone")
+    assert lock.took_over.startswith(line) and lock.took_over.endswith("none of its workers holds the run dir")
     assert line in capsys.readouterr().err
     assert parse_holder(open(lock.path).read()).pid == os.getpid()
     lock.release()
     assert os.listdir(run_dir) == []  # a run dir that was there stays
+
+
+def _let_go(run_dir) -> None:
+    """Drop this test process's ``hold_for_worker`` of ``run_dir`` (a worker never does)."""
+    os.close(run_lock._HELD.pop(os.path.abspath(str(run_dir))))
+
+
+def test_workers_of_a_dead_launcher_keep_the_run_dir_busy_though_its_lock_is_free(tmp_path):
+    """The launcher alone SIGKILLed: the kernel freed RUN_DIR/.lock, but its workers (one here:
+    this process's LOCK_SH on .lock.workers) still write. An acquirer is refused with one line
+    naming them and the dead launcher, whose record stays; once they are gone it takes over.
+    The launcher's own check drops .lock.workers at once: its workers take it while it holds .lock."""
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    dead = _dead_pid()
+    record = {"host": os.uname().nodename, "pid": dead, "started": time.time() - 60, "job": "j@launch-a"}
+    with open(os.path.join(run_dir, ".lock"), "w") as f:
+        json.dump(record, f)
+    hold_for_worker(run_dir)
+    hold_for_worker(run_dir)  # idempotent: one descriptor per process
+    try:
+        with pytest.raises(RunDirBusy) as busy:
+            RunLock(run_dir).acquire()
+        assert str(busy.value) == workers_message(run_dir, parse_holder(json.dumps(record)))
+        assert str(busy.value).startswith(f"run dir {run_dir} is still written by workers of a job whose launcher is gone "
+                                          f"(its launcher was pid {dead} on host ")
+        assert f"lock {run_dir}/.lock.workers held" in str(busy.value)
+        assert parse_holder(open(os.path.join(run_dir, ".lock")).read()).pid == dead  # left for the next acquirer to name
+        t0 = time.monotonic()
+        with pytest.raises(RunDirBusy, match="still written by workers"):
+            RunLock(run_dir, job="j", launch="launch-a").acquire(wait_same_job_s=0.5)  # its own job: waited for, bounded
+        assert 0.5 <= time.monotonic() - t0 < 5
+    finally:
+        _let_go(run_dir)
+    lock = RunLock(run_dir).acquire()  # the workers are gone: taken over
+    assert lock.took_over.endswith("none of its workers holds the run dir")
+    hold_for_worker(run_dir)  # this launcher's own worker, while it holds .lock
+    _let_go(run_dir)
+    lock.release()
+    assert sorted(os.listdir(run_dir)) == [".lock.workers"]  # never unlinked (a worker may hold it)
+
+
+_LAUNCHER = """
+import os, subprocess, sys, time
+env = {**os.environ, "NEREUS_LAUNCHER": f"{os.getpid()}:run-a", "TORCHELASTIC_RUN_ID": "run-a"}
+subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]], env=env)
+time.sleep(120)
+"""
+_WORKER = """
+import os, sys, threading, time
+from nereus.trainer.elastic.run_lock import die_with_launcher, hold_for_worker
+armed = die_with_launcher()
+hold_for_worker(sys.argv[1])
+threading.Thread(target=time.sleep, args=(120,)).start()  # non-daemon, like the background staging write
+open(os.path.join(sys.argv[1], "worker"), "w").write(f"{os.getpid()} {armed}")
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sigkilled_launchers_worker_dies_with_it_and_only_then_frees_the_run_dir(tmp_path):
+    """The launcher process alone SIGKILLed (its lock freed by the kernel): its worker — which
+    holds .lock.workers and a non-daemon thread, as a worker mid-staging does — is SIGKILLed
+    by the kernel (PR_SET_PDEATHSIG), and until it is gone the run dir is refused."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(run_dir), _WORKER], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (run_dir / "worker").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pid, armed = (run_dir / "worker").read_text().split()
+        assert armed == ("True" if sys.platform.startswith("linux") else "False")
+        with pytest.raises(RunDirBusy, match="is still written by workers of a job whose launcher is gone"):
+            RunLock(str(run_dir)).acquire()  # .lock is free: nobody holds it
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline, lock = time.monotonic() + 10, None
+        while lock is None and time.monotonic() < deadline:
+            try:
+                lock = RunLock(str(run_dir)).acquire()
+            except RunDirBusy:
+                time.sleep(0.05)
+        assert lock is not None, "the worker outlived its launcher by 10 s"
+        lock.release()
+        try:  # gone, or a zombie its new parent (this container's init) has not reaped
+            assert open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            pass
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_filesystem_without_flock_is_one_line_naming_the_run_dir_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    run_dir = str(tmp_path / "nfs" / "run")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(NoFlock) as e:
+        RunLock(run_dir).acquire()
+    line = str(e.value)
+    assert line.startswith(f"run dir {os.path.abspath(run_dir)} cannot be locked: its filesystem does not support flock "
+                           "(ENOLCK: No locks available)") and "\n" not in line
+    assert not os.path.exists(run_dir)  # nothing written
+    def unsupported(fd, op):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    with pytest.raises(NoFlock, match="(EOPNOTSUPP|ENOTSUP): Operation not supported"):
+        hold_for_worker(run_dir)  # a worker (torchrun, several nodes) says the same
+    assert os.path.abspath(run_dir) not in run_lock._HELD
+
+
+def test_the_same_job_is_one_launch_and_waits_less_than_the_collective_timeout():
+    """A --rdzv-id hard-coded in a Slurm script names many launches: the launch id the
+    rendezvous store hands every round of one launch tells them apart (pure). The wait for
+    one's own previous round is at most half the collective timeout the other ranks wait in."""
+    assert job_identity("slurm-train", "a1") == "slurm-train@a1" and job_identity("none", "a1") is None
+    assert not waits_for(Holder(host="h", pid=1, started=0.0, job=job_identity("slurm-train", "a1")),
+                         job_identity("slurm-train", "b2"))  # a new launch reusing the id: another job, no wait
+    assert waits_for(Holder(host="h", pid=1, started=0.0, job="slurm-train@a1"), job_identity("slurm-train", "a1"))
+    assert launch_of("slurm-train:a1", "slurm-train") == "a1" and launch_of("x:y:a1", "x:y") == "a1"
+    assert launch_of("other:a1", "slurm-train") is None and launch_of(None, "slurm-train") is None
+    assert launch_of("slurm-train:", "slurm-train") is None
+    assert same_job_wait_s(30) == 15 and same_job_wait_s(50) == 25 and same_job_wait_s(600) == 30
+    assert spawned_by("123:run-a", "run-a") == 123 and spawned_by("123:run-a", "run-b") is None
+    assert spawned_by(None, "run-a") is None and spawned_by("x:run-a", "run-a") is None and spawned_by("1:r", None) is None
 
 
 def test_only_a_job_with_a_run_id_of_its_own_waits_for_its_previous_round(tmp_path):
@@ -82,6 +219,12 @@ def test_only_a_job_with_a_run_id_of_its_own_waits_for_its_previous_round(tmp_pa
         RunLock(run_dir, job="job-7f3a").acquire(wait_same_job_s=0.5)  # its own job: waited for, then busy
     assert time.monotonic() - t0 >= 0.5
     own.release()
+    first = RunLock(run_dir, job="slurm-7", launch="a1").acquire()
+    t0 = time.monotonic()
+    with pytest.raises(RunDirBusy, match=", job slurm-7@a1"):
+        RunLock(run_dir, job="slurm-7", launch="b2").acquire(wait_same_job_s=20)  # the same --rdzv-id, another launch
+    assert time.monotonic() - t0 < 5
+    first.release()
 
 
 def test_a_busy_run_dir_under_torchrun_exits_non_zero_with_one_line(tmp_path, monkeypatch, capsys):
@@ -102,11 +245,17 @@ def test_a_busy_run_dir_under_torchrun_exits_non_zero_with_one_line(tmp_path, mo
 
     monkeypatch.setattr(launch, "under_torchrun", lambda: True)
     monkeypatch.setattr(worker, "run_worker", busy)
+    cfg = load_config(TINY_GRPO, [f"run_dir={run_dir}"])
+    monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(typer.Exit) as exit_:
-        run_job(load_config(TINY_GRPO, [f"run_dir={run_dir}"]), False)
+        run_job(cfg, False)
     assert exit_.value.exit_code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {line}"] and run_dir in err[0] and "pid 12 on host h" in err[0]
+    monkeypatch.setenv("LOCAL_RANK", "1")  # every other rank of the node: the same exit, no line of its own
+    with pytest.raises(typer.Exit) as exit_:
+        run_job(cfg, False)
+    assert exit_.value.exit_code == 1 and capsys.readouterr().err == ""
 
 
 @pytest.mark.timeout(240)
@@ -143,20 +292,28 @@ def test_the_agents_semaphores_carry_the_run_and_a_later_launch_removes_a_killed
     import gc
     import multiprocessing
 
-    from nereus.launch import named_semaphores, remove_stale_semaphores, stale_semaphores
+    from nereus.launch import named_semaphores, remove_stale_semaphores, sem_pid, stale_semaphores
 
     tag = f"test{os.getpid()}"
     with named_semaphores(tag):
         lock = multiprocessing.get_context("spawn").Lock()  # what torch's agent makes for its queues and events
     made = stale_semaphores(tag)
-    assert len(made) == 1 and os.path.basename(made[0]).startswith(f"sem.nereus-{tag}-")
+    assert len(made) == 1 and os.path.basename(made[0]).startswith(f"sem.nereus-{tag}.{os.getpid()}-")
+    assert remove_stale_semaphores(tag) == [] and stale_semaphores(tag) == made  # its launcher (this process) runs: kept
     del lock
     gc.collect()
     assert stale_semaphores(tag) == []  # a clean exit unlinks them
-    (tmp_path / f"sem.nereus-{tag}-abcd1234").write_bytes(b"x")  # what a SIGKILLed launcher's group left
-    (tmp_path / "sem.mp-abcd1234").write_bytes(b"x")  # another program's
-    assert [os.path.basename(p) for p in remove_stale_semaphores(tag, str(tmp_path))] == [f"sem.nereus-{tag}-abcd1234"]
-    assert sorted(os.listdir(tmp_path)) == ["sem.mp-abcd1234"]
+    dead = _dead_pid()
+    assert sem_pid(f"sem.nereus-{tag}.{dead}-abcd1234", tag) == dead and sem_pid(f"sem.nereus-{tag}-abcd1234", tag) is None
+    for name in (f"sem.nereus-{tag}.{dead}-abcd1234",  # what a SIGKILLed launcher's group left, on any node
+                 f"sem.nereus-{tag}.{os.getppid()}-abcd1234",  # a live launch's (another node's agent on this host)
+                 f"sem.nereus-{tag}-abcd1234",  # an older Nereus's: no pid, so only under the run dir's lock
+                 "sem.mp-abcd1234"):  # another program's
+        (tmp_path / name).write_bytes(b"x")
+    assert [os.path.basename(p) for p in remove_stale_semaphores(tag, str(tmp_path))] == [f"sem.nereus-{tag}.{dead}-abcd1234"]
+    assert [os.path.basename(p) for p in remove_stale_semaphores(tag, str(tmp_path), locked=True)] == \
+        [f"sem.nereus-{tag}-abcd1234"]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"sem.nereus-{tag}.{os.getppid()}-abcd1234", "sem.mp-abcd1234"])
 
 
 def _cli(*args, log=None) -> subprocess.Popen:
@@ -171,29 +328,26 @@ def _train_args(run_dir, steps, *extra):
 
 
 SHM = "/dev/shm"
-LEAKABLE = ("sem.", "psm_", "torch_", "nereus-")
-"""What nereus or torch (multiprocessing) make in /dev/shm: semaphores (``sem.mp-*``,
-``sem.nereus-*``), torch's shared-memory files (``psm_*`` for ``file_descriptor`` sharing,
-``torch_*`` for ``file_system``) and staging dirs (``nereus-<run id>``)."""
 
 
 def _shm() -> set[str]:
     return set(os.listdir(SHM))
 
 
-def _leaked(before: set[str]) -> list[str]:
-    """What appeared in /dev/shm since the listing ``before`` that nereus or torch makes
-    (``LEAKABLE``): whatever was there before (other runs' leftovers) is not counted, nor a
-    file another program made meanwhile under a name neither makes."""
-    return sorted(n for n in _shm() - before if n.startswith(LEAKABLE))
-
-
 def _shm_of(run_dir) -> list[str]:
-    """This job's entries in /dev/shm: its staging dir and its agents' semaphores (named by its run id)."""
+    """This job's entries in /dev/shm: its staging dir and its agents' semaphores (named by
+    its run id: ``sem.nereus-<run id>.<launcher pid>-*``)."""
     from nereus.trainer.elastic.staging import run_id
 
     rid = run_id(str(run_dir))
-    return sorted(n for n in _shm() if n == f"nereus-{rid}" or n.startswith(f"sem.nereus-{rid}-"))
+    return sorted(n for n in _shm() if n == f"nereus-{rid}" or n.startswith((f"sem.nereus-{rid}.", f"sem.nereus-{rid}-")))
+
+
+def _leaked(before: set[str], run_dir) -> list[str]:
+    """This job's entries in /dev/shm (``_shm_of``) that were not there in the listing
+    ``before``: what other programs (other engineers' runs, their ``sem.mp-*``) make meanwhile
+    is not counted."""
+    return sorted(set(_shm_of(run_dir)) - before)
 
 
 @pytest.mark.timeout(240)
@@ -218,7 +372,7 @@ def test_a_second_train_on_a_run_dir_fails_at_once_naming_the_first_which_comple
     assert len(line) == 1 and f"is in use by another job (pid {first.pid} on host" in line[0], second.stderr
     assert first.returncode == 0, out
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
-    assert _leaked(before) == [] and not (run_dir / ".lock").exists()
+    assert _leaked(before, run_dir) == [] and not (run_dir / ".lock").exists()
 
 
 @pytest.mark.timeout(300)
@@ -256,4 +410,4 @@ def test_a_sigkilled_run_leaves_its_shm_files_and_the_resume_removes_them(tmp_pa
     restores = [json.loads(line) for line in (run_dir / "restores.jsonl").read_text().splitlines()]
     assert restores[-1]["source"] == "staged" and restores[-1]["step"] >= 3, restores
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
-    assert _leaked(before) == []
+    assert _leaked(before, run_dir) == []

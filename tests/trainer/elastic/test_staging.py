@@ -567,3 +567,21 @@ def test_every_dir_staging_makes_is_exactly_0700_whatever_the_umask(shm_dir):
     os.chmod(shm_dir, 0o750)
     makedirs_private(shm_dir)  # one that was there is left as it is
     assert os.stat(shm_dir).st_mode & 0o7777 == 0o750
+
+
+def test_staged_copies_of_the_older_layout_are_named_in_one_line_and_left_as_they_are(tmp_path):
+    """An older Nereus staged directly in the configured dir (``meta/``, ``data/`` there): this
+    one never finds them, so it names them (path, size, the command that frees them) and
+    deletes nothing — they may be another run's."""
+    from nereus.trainer.elastic.staging import legacy_staging
+
+    base = tmp_path / "stage"
+    (base / "nereus-abc" / "meta").mkdir(parents=True)  # this layout's: not reported
+    assert legacy_staging(str(base)) is None
+    (base / "meta").mkdir()
+    (base / "data").mkdir()
+    (base / "data" / "box.bin").write_bytes(b"x" * (3 << 20))
+    line = legacy_staging(str(base))
+    assert line.startswith(f"staging dir {base} holds staged copies in an older layout ({base}/meta and {base}/data, 3.0 MiB")
+    assert f"rm -r {base}/meta {base}/data" in line and "\n" not in line
+    assert (base / "data" / "box.bin").stat().st_size == 3 << 20  # nothing deleted
