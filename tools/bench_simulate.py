@@ -73,13 +73,14 @@ def table(name: str, s: dict) -> str:
     t = s["truth"]
     lines = [(f"\n{name}: {s['trace']['steps']} steps, devices {s['trace']['devices_min']}-{s['trace']['devices_max']}, simulated in "
               f"{s['wall_seconds']:.1f} s; pool {t['pool']} plans, oracle set {t['oracle_set']}; initial plan {s['initial_plan']}"),
-             f"{'policy':<14} {'run s':>11} {'mean s':>9} {'over best_static':>16} {'moves':>6} {'trans s':>9} {'restarts':>8} {'waited':>6} {'wall s':>7}"]
+             f"{'policy':<14} {'run s':>11} {'mean s':>9} {'over best_static':>16} {'moves':>6} {'trans s':>9} {'restarts':>8} {'OOM':>5} {'waited':>6} {'wall s':>7}"]
     for n, p in s["policies"].items():
         o = s["over_best_static"].get(n)
         lines.append(f"{n:<14} {p['run_seconds']:>11.0f} {p['mean_latency_s'] or float('nan'):>9.2f} {o or float('nan'):>16.3f} "
-                     f"{len(p['transitions']):>6} {p['transition_seconds']:>9.1f} {len(p['restarts']):>8} {p['waited_steps']:>6} {p['wall_seconds']:>7.1f}")
+                     f"{len(p['transitions']):>6} {p['transition_seconds']:>9.1f} {len(p['restarts']):>8} {t.get('oom_steps', {}).get(n, 0):>5} {p['waited_steps']:>6} {p['wall_seconds']:>7.1f}")
     lines.append(f"(free moves over the pool: {s['free_moves_over_best_static'] or float('nan'):.3f}x best_static, the ceiling of any adaptation over it; "
-                 f"best static: {t['best_static_plan']})")
+                 f"best static: {t['best_static_plan']}; OOM: steps run over the world's memory, each a restart and the step again"
+                 f"{'; steps no plan of the pool runs (waited by all): ' + t['skipped_at'] if t.get('skipped_steps') else ''})")
     return "\n".join(lines)
 
 

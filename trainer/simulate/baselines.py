@@ -14,12 +14,24 @@ budgets), recompute, micro-batches, both placements (colocated, split) and every
 layout the search enumerates — but as the search's beam ranks them by the controller's
 priors, not every combination of stage layouts: a plan the beam drops is not in it.
 
-**The table** (``Table``): per template k and step s, ``cost[k, s]`` = the world's expected
+**The table** (``Table``): per template k and step s, ``raw[k, s]`` = the world's expected
 seconds of the template scaled to step s's devices (``World.expected_trace``, noise-free:
-persistent device speeds, no stragglers, no step noise), ``inf`` where it cannot run (no
-replica on the devices, or a rank's peak over the device's memory, ``World.feasible_trace``).
-A transition between steps costs the world's own (``World.transition``, noise-free) — on a
-change of the devices a world move (both plans on explicit ranks of a world holding both).
+persistent device speeds, no stragglers, no step noise), ``inf`` where it holds no replica on
+them; ``feasible[k, s]``: every rank's peak within the device's memory (``World.feasible_trace``).
+Every path is booked as the loop (``run.py``) books its policies:
+
+- a step: ``cost = where(feasible, raw, 2·raw + restart_seconds)`` — over the memory (or a step
+  the trace fails) a restart and the step again, booked under restarts; a plan with such
+  steps is allowed, and pays;
+- a wait: a step no template runs within the memory (not ``runnable``) is waited out by
+  every table policy, at the pace of its last step that ran (0 s before any ran), as the
+  loop's ``_prepare`` books a wait; ``Table.booked`` adds those waits to the step before
+  them; they are recorded as waits (``skipped_steps`` in the run's info). No runnable step
+  at all: a SimulateError naming the trace;
+- a move between two plans: the cheaper of the world's own (``World.transition``,
+  noise-free; on a change of the devices a world move, both plans on explicit ranks of a
+  world holding both) and a restart into the new plan (``restart_seconds``, the loop's
+  restart path) — ``Table.move``.
 
 **Refined** (``refine``): from the pool's best static plan and the initial plan, a coordinate
 descent on the world over each model-stage's whole candidate space (``search.stage_candidates``:
@@ -28,18 +40,25 @@ priced on a sample of the trace's steps; the plans it keeps join the table. Its 
 local optimum of the whole space — no one-stage change improves it
 (``tests/trainer/simulate/test_baselines.py`` checks every one) — not a global one.
 
-- ``best_static``: the template minimising Σ cost + its own world moves, finite at every step
-  (exact over the pool: templates are taken in order of Σ cost and the scan stops once the
-  next one's Σ cost alone exceeds the best total).
+- ``best_static``: the template minimising the booked Σ + its own world moves, with a replica
+  at every runnable step (exact over the pool: templates are taken in order of the booked Σ
+  and the scan stops once the next one's Σ alone exceeds the best total). A template with
+  no replica on some runnable step (a split stage's share of an odd or small device count
+  below its TP × PP) is out rather than waiting there: the loop waits only where the
+  controller finds no plan at all, and a static plan waiting where others run would not
+  be bounded by the oracle, whose plans must run every runnable step.
 - ``initial_fixed``: the paper's baseline — the initial plan (``initial_plan``: the
   controller's search at the job's declared prompt and response means, packing allowed),
   TP/PP kept, DP scaled. A step over the memory fails: a restart (``restart_seconds``) and
-  the step again, as the loop books it.
+  the step again, as the loop books it — every step, where the plan deterministically does
+  not fit (the run's ``oom_steps`` counts them per policy).
 - ``oracle``: dynamic programming over the steps (Viterbi) on a stated candidate set — the
   best static plan, the initial plan, every template that is the fastest at some step, the
   loop policies' plans as they ran (``pinned``), then the fastest by Σ cost up to ``ORACLE_SET`` — with the
-  world's transition costs between every pair. Exact over that set: no sequence of its
-  plans is faster (``tests/trainer/simulate/test_baselines.py`` checks it by enumeration).
+  moves (``Table.move``) between every pair. Exact over that set: no sequence of its plans,
+  booked as above, is faster (``tests/trainer/simulate/test_baselines.py`` checks it by
+  enumeration, with infeasible cells and device changes); ``run.py`` checks it bounds every
+  table baseline and every loop policy whose plans are in the set (a SimulateError if not).
 - ``greedy``: each step the set's fastest plan for that step, its transitions paid.
 
 ``free_moves``: Σ over steps of the whole pool's fastest plan, transitions free — what no
@@ -164,8 +183,9 @@ def explicit_free(plan: PlanConfig) -> PlanConfig:
 
 @dataclass
 class Table:
-    """Per template the world's seconds at every step (module docstring). ``runs``: steps some
-    template can run (the others are waited out by every table policy)."""
+    """Per template the world's seconds at every step (module docstring). ``runnable()``: the
+    steps some template runs within the memory (the others are waited out by every table policy,
+    at its last step's pace, as the loop waits)."""
 
     exact: object  # the World, noise-free
     trace: list[TraceStep]
@@ -176,8 +196,11 @@ class Table:
     scaled: list[dict] = field(default_factory=list)  # per template: devices → its JobConfig there (None: none)
     _moves: dict = field(default_factory=dict)
     restart_seconds: float = 0.0  # a failed step's restart (the job's world.restart_seconds)
+    name: str = "trace"  # the trace's name, in errors
 
     def __post_init__(self) -> None:
+        if not self.restart_seconds >= 0:
+            raise SimulateError(f"trace {self.name!r}: restart_seconds must be >= 0, got {self.restart_seconds}")
         self.devices = np.array([t.devices for t in self.trace])
         self.groups = {int(d): [i for i, t in enumerate(self.trace) if t.devices == d] for d in dict.fromkeys(self.devices.tolist())}
         self.subtraces = {d: [self.trace[i] for i in idx] for d, idx in self.groups.items()}
@@ -217,20 +240,56 @@ class Table:
 
     @property
     def cost(self) -> np.ndarray:
-        """Seconds per template and step within the memory (inf: over it, or no replica); a step
-        the trace fails costs a restart and the step again, as the loop books it."""
+        """Seconds per template and step as the loop books them (inf: no replica on the step's
+        devices): a step over the memory (or one the trace fails) costs a restart and the step
+        again — ``where(feasible, raw, 2·raw + restart)``."""
         failed = np.array([t.failed for t in self.trace], dtype=bool)
-        return np.where(self.feasible, self.raw + np.where(failed, self.raw + self.restart_seconds, 0.0), np.inf)
+        redo = ~self.feasible | failed[None, :]
+        return self.raw + np.where(redo, self.raw + self.restart_seconds, 0.0)
 
     def runnable(self) -> np.ndarray:
-        """Steps some template runs (within the memory)."""
-        return np.isfinite(self.cost).any(axis=0)
+        """Steps some template runs within the memory (the loop's policies wait where no plan
+        fits; on a runnable step a template over the memory may still run it, and pays)."""
+        return (np.isfinite(self.raw) & self.feasible).any(axis=0)
 
-    def move(self, i: int, j: int, a: int, b: int, step: int = 0) -> float:
-        """World seconds of template i on a devices → template j on b devices (inf: either cannot run)."""
+    def waits_after(self) -> np.ndarray:
+        """Per step, the waited steps (no template runs them) that follow it before the next
+        runnable one, or the trace's end (0 for a waited step; waits before the first runnable
+        step are at no pace: 0 s, as the loop books them before any step ran)."""
+        runs = self.runnable()
+        out = np.zeros(len(self.trace), dtype=np.int64)
+        last = None
+        for s, r in enumerate(runs):
+            if r:
+                last = s
+            elif last is not None:
+                out[last] += 1
+        return out
+
+    @property
+    def booked(self) -> np.ndarray:
+        """``cost`` plus the waits that follow each step at its pace (the step's seconds, as the
+        loop's ``_prepare`` books a wait): what a path pays per step, moves apart."""
+        w, out = self.waits_after(), self.cost
+        at = w > 0
+        out[:, at] += self.raw[:, at] * w[at]
+        return out
+
+    def run_steps(self) -> list[int]:
+        """The runnable steps' indices; a SimulateError naming the trace when there is none."""
+        steps = [int(s) for s in np.flatnonzero(self.runnable())]
+        if not steps:
+            devices = sorted(set(self.devices.tolist()))
+            raise SimulateError(f"trace {self.name!r}: no plan of the pool runs any of its {len(self.trace)} steps within the memory "
+                                f"(devices {', '.join(map(str, devices[:8]))}{' …' if len(devices) > 8 else ''})")
+        return steps
+
+    def transition(self, i: int, j: int, a: int, b: int, step: int = 0) -> float:
+        """World seconds of a live move: template i on a devices → template j on b devices (inf:
+        either cannot run). Keyed on the step where the world's transitions are noisy."""
         if i == j and a == b:
             return 0.0
-        key = (i, j, a, b)
+        key = (i, j, a, b, step if getattr(self.exact, "noisy", True) else None)
         if key not in self._moves:
             x, y = self.scaled[i].get(a), self.scaled[j].get(b)
             if x is None or y is None:
@@ -242,6 +301,21 @@ class Table:
                 self._moves[key] = self.exact.transition(big, explicit(x.plan, x.nproc), explicit(y.plan, y.nproc), step)[0]
         return self._moves[key]
 
+    def move(self, i: int, j: int, a: int, b: int, step: int = 0) -> float:
+        """A move's seconds: the cheaper of the world's live move and a restart into the new plan
+        (``restart_seconds``, ``nereus resume``'s path; inf where either plan has no replica)."""
+        t = self.transition(i, j, a, b, step)
+        return t if t == 0.0 or not math.isfinite(t) else min(t, self.restart_seconds)
+
+    def move_kind(self, i: int, j: int, a: int, b: int, step: int = 0) -> str:
+        """How ``move`` goes: ``restart`` (cheaper than the live move), ``world`` (the devices
+        change) or ``transition``."""
+        t = self.transition(i, j, a, b, step)
+        if math.isfinite(t) and self.restart_seconds < t:
+            return "restart"
+        x, y = self.scaled[i].get(a), self.scaled[j].get(b)
+        return "world" if x is not None and y is not None and x.nproc != y.nproc else "transition"
+
 
 @dataclass
 class Path:
@@ -250,48 +324,60 @@ class Path:
     name: str
     picks: list[int]
     step_seconds: np.ndarray
-    moves: list[tuple[int, int, int, float]]  # (step index, from template, to template, seconds)
+    moves: list[tuple[int, int, int, float, int, str]]  # (step index, from template, to template, seconds, from devices, kind)
     restarts: list[int] = field(default_factory=list)  # step indices that ran out of memory or failed
     restart_seconds: np.ndarray | None = None  # per step: a restart and the step again (0: none)
+    wait_seconds: np.ndarray | None = None  # per step: a waited step at the last step's pace (0: none)
+    oom: list[int] = field(default_factory=list)  # step indices over the memory (each also in restarts)
 
     @property
     def total(self) -> float:
         redo = 0.0 if self.restart_seconds is None else float(self.restart_seconds.sum())
-        return float(self.step_seconds.sum() + redo + sum(m[3] for m in self.moves))
+        wait = 0.0 if self.wait_seconds is None else float(self.wait_seconds.sum())
+        return float(self.step_seconds.sum() + redo + wait + sum(m[3] for m in self.moves))
 
 
 def _run_steps(table: Table) -> list[int]:
-    return [int(s) for s in np.flatnonzero(table.runnable())]
+    return table.run_steps()
 
 
-def path_of(table: Table, name: str, picks: list[int], *, restart_seconds: float = 0.0) -> Path:
-    """A sequence of templates over the runnable steps, booked: its steps' seconds (a step over
-    the memory: a restart and the step again), the transitions between its choices."""
+def path_of(table: Table, name: str, picks: list[int]) -> Path:
+    """A sequence of templates over the runnable steps, booked as the loop books it: its steps'
+    seconds (a step over the memory, or failed: a restart and the step again), the waited steps
+    at the last step's pace, the moves between its choices (``Table.move``)."""
     steps = _run_steps(table)
-    secs, redo = np.zeros(len(table.trace)), np.zeros(len(table.trace))
-    moves, restarts, prev = [], [], None
-    full = [-1] * len(table.trace)
-    for s, k in zip(steps, picks, strict=True):
+    if len(picks) != len(steps):
+        raise SimulateError(f"{name}: {len(picks)} plans for the trace's {len(steps)} runnable steps")
+    n = len(table.trace)
+    secs, redo, wait = np.zeros(n), np.zeros(n), np.zeros(n)
+    moves, restarts, oom, prev = [], [], [], None
+    full = [-1] * n
+    bounds = [*steps[1:], n]
+    for s, k, end in zip(steps, picks, bounds):
         full[s] = k
         raw = table.raw[k, s]
         if not np.isfinite(raw):
             raise SimulateError(f"{name}: template {k} cannot run step {s + 1}")
         secs[s] = raw
         if not table.feasible[k, s] or table.trace[s].failed:  # a restart and the step again, booked under restarts
-            redo[s] = raw + restart_seconds
+            redo[s] = raw + table.restart_seconds
             restarts.append(s)
+            if not table.feasible[k, s]:
+                oom.append(s)
+        wait[s + 1:end] = raw  # the steps no plan runs, until the next runnable one: at this step's pace
         if prev is not None:
             ps, pk = prev
             a, b = int(table.devices[ps]), int(table.devices[s])
             if pk != k or a != b:
-                moves.append((s, pk, k, table.move(pk, k, a, b, s + 1)))
+                moves.append((s, pk, k, table.move(pk, k, a, b, s + 1), a, table.move_kind(pk, k, a, b, s + 1)))
         prev = (s, k)
-    return Path(name=name, picks=full, step_seconds=secs, moves=moves, restarts=restarts, restart_seconds=redo)
+    return Path(name=name, picks=full, step_seconds=secs, moves=moves, restarts=restarts, restart_seconds=redo,
+                wait_seconds=wait, oom=oom)
 
 
 def static_total(table: Table, k: int) -> float:
     steps = _run_steps(table)
-    c = table.cost[k, steps]
+    c = table.booked[k, steps]
     if not np.isfinite(c).all():
         return math.inf
     moves = sum(table.move(k, k, int(table.devices[a]), int(table.devices[b])) for a, b in itertools.pairwise(steps)
@@ -300,10 +386,12 @@ def static_total(table: Table, k: int) -> float:
 
 
 def best_static(table: Table) -> int | None:
-    """The template of the least Σ cost + own world moves, finite everywhere (exact: the scan
-    in order of Σ cost stops once Σ cost alone exceeds the best total)."""
+    """The template of the least booked Σ + own world moves, with a replica at every runnable
+    step (exact: the scan in order of the booked Σ stops once that Σ alone exceeds the best
+    total, moves costing ≥ 0). A template with no replica on a step some other template runs is
+    out (module docstring)."""
     steps = _run_steps(table)
-    sums = table.cost[:, steps].sum(axis=1)
+    sums = table.booked[:, steps].sum(axis=1)
     best, best_total = None, math.inf
     for k in np.argsort(sums, kind="stable"):
         if not np.isfinite(sums[k]) or sums[k] >= best_total:
@@ -375,7 +463,7 @@ def oracle_set(table: Table, must: list[int], size: int = ORACLE_SET) -> list[in
     """The oracle's candidate set (module docstring): ``must`` first, every step's fastest, then
     the fastest by Σ cost (over the steps each can run) up to ``size``."""
     steps = _run_steps(table)
-    cost = table.cost[:, steps]
+    cost = table.booked[:, steps]
     out = list(dict.fromkeys(k for k in must if k is not None))
     winners = [int(k) for k in dict.fromkeys(np.argmin(cost, axis=0).tolist())]
     winners.sort(key=lambda k: -int((np.argmin(cost, axis=0) == k).sum()))  # the most steps won first
@@ -391,13 +479,16 @@ def oracle_set(table: Table, must: list[int], size: int = ORACLE_SET) -> list[in
 
 
 def viterbi(table: Table, ks: list[int]) -> list[int]:
-    """The least-time sequence of ``ks``'s templates over the runnable steps, the world's
-    transitions counted (dynamic programming over the steps; the first plan free). Exact with
-    the transitions priced lazily: a move never costs less than 0, so for plan j at a step only
-    the plans whose time so far is below staying on j's (its time plus j's own move, 0 unless
-    the devices change) are priced as the step's predecessors."""
+    """The least-time sequence of ``ks``'s templates over the runnable steps, booked as
+    ``path_of`` books it (``Table.booked``: over the memory a restart and the step again, the
+    waits that follow a step at its pace; ``Table.move``: the cheaper of the world's transition
+    and a restart; dynamic programming over the steps, the first plan free). Exact with the
+    moves priced lazily: a move never costs less than 0 (``restart_seconds`` ≥ 0, the world's
+    transitions ≥ 0), so for plan j at a step only the plans whose time so far is below staying
+    on j's (its time plus j's own move, 0 unless the devices change) are priced as the step's
+    predecessors."""
     steps = _run_steps(table)
-    cost = table.cost[np.ix_(ks, steps)]
+    cost = table.booked[np.ix_(ks, steps)]
     value = cost[:, 0].copy()
     back = np.zeros((len(steps), len(ks)), dtype=np.int64)
     for x in range(1, len(steps)):
@@ -416,7 +507,7 @@ def viterbi(table: Table, ks: list[int]) -> list[int]:
             back[x, j], best[j] = arg, low
         value = best + cost[:, x]
     if not np.isfinite(value).any():
-        raise SimulateError("oracle: no sequence of its candidate set runs every step within the memory")
+        raise SimulateError(f"oracle: no plan of its candidate set ({len(ks)}) holds a replica on every runnable step of trace {table.name!r}")
     j = int(np.argmin(value))
     seq = [j]
     for x in range(len(steps) - 1, 0, -1):
@@ -428,13 +519,14 @@ def viterbi(table: Table, ks: list[int]) -> list[int]:
 def greedy(table: Table, ks: list[int]) -> list[int]:
     """Each runnable step, the set's fastest template for it."""
     steps = _run_steps(table)
-    cost = table.cost[np.ix_(ks, steps)]
+    cost = table.booked[np.ix_(ks, steps)]
     if not np.isfinite(cost).any(axis=0).all():
-        raise SimulateError("greedy: a step no plan of the oracle's set runs within the memory")
+        raise SimulateError(f"greedy: a runnable step of trace {table.name!r} on which no plan of the oracle's set holds a replica")
     return [ks[int(j)] for j in np.argmin(cost, axis=0)]
 
 
 def free_moves(table: Table) -> float:
-    """Σ over the runnable steps of the pool's fastest: no sequence of the pool's plans beats it."""
+    """Σ over the runnable steps of the pool's fastest (booked: restarts and waits counted),
+    moves free: no sequence of the pool's plans beats it."""
     steps = _run_steps(table)
-    return float(table.cost[:, steps].min(axis=0).sum())
+    return float(table.booked[:, steps].min(axis=0).sum())

@@ -13,7 +13,14 @@ admitted move costs the world's transition.
 
 The baselines (``baselines.py``: ``best_static``, ``initial_fixed``, ``oracle``, ``greedy``)
 are paths over the table of the candidate pool's world seconds (the adaptive policies'
-plans added to it), booked the same way.
+plans added to it), booked the same way: a step no plan of the pool runs within the memory is
+waited out at the pace of the path's last step that ran (0 s before any ran), and recorded
+as a wait (``skipped_steps``/``skipped_at`` in the info; none runnable at all: a
+SimulateError naming the trace); a step over the memory is a restart and the step again
+(counted per policy in ``oom_steps``: a plan that never fits pays it at every step); a move
+costs the cheaper of the world's transition and a restart (a restart booked under
+restarts). The oracle is checked to bound every table baseline, and every loop policy whose
+plans are in its set and whose waits are the table's: a SimulateError if not.
 
     run time = Σ step seconds + Σ transitions + Σ restarts (+ the redone steps) + Σ waits
     mean step latency = the mean of the steps' seconds that ran
@@ -157,10 +164,12 @@ def simulate(cluster: Cluster, job: JobInput, trace: list[TraceStep], *, trace_n
         wanted = [p for p in policies if p in BASELINES]
         if wanted:
             t0 = time.perf_counter()
-            table_results, tinfo = run_baselines(cfg, ground, trace, job, wanted, results, oracle_set=oracle_set, pool_top=pool_top)
+            table_results, tinfo = run_baselines(cfg, ground, trace, job, wanted, results, oracle_set=oracle_set, pool_top=pool_top,
+                                                       trace_name=trace_name)
             results.update(table_results)
             info.update(tinfo, baselines_wall_seconds=time.perf_counter() - t0)
         results = {name: results[name] for name in policies}
+        info["oom_steps"] = {name: oom_steps(p) for name, p in results.items()}  # per policy: steps over the memory, each redone
     return SimResult(cluster=cluster, job=job, trace_name=trace_name, trace=trace, initial_plan=label(cfg.plan), initial_cfg=cfg, results=results,
                      sim_seconds=time.perf_counter() - start, truth=info)
 
@@ -203,33 +212,35 @@ def run_loop(cfg: JobConfig, ground: Ground, trace: list[TraceStep], job: JobInp
 
 
 def run_baselines(cfg: JobConfig, ground: Ground, trace: list[TraceStep], job: JobInput, names: list[str], ran: dict[str, PolicyResult],
-                  *, oracle_set: int, pool_top: int) -> tuple[dict[str, PolicyResult], dict]:
+                  *, oracle_set: int, pool_top: int, trace_name: str = "trace") -> tuple[dict[str, PolicyResult], dict]:
     """The baselines over the candidate pool's table (``baselines.py``), refined on the world;
-    the loop policies' plans join it (and the oracle's set) as they ran (pinned)."""
+    the loop policies' plans join it (and the oracle's set) as they ran (pinned). The oracle
+    must bound every table baseline and every loop policy whose plans are in its set and whose
+    waits are the table's (a SimulateError otherwise: the bookings disagree)."""
     t0 = time.perf_counter()
     memory = ground.exact.params.memory_gib if cfg.device_memory_gib is None else cfg.device_memory_gib
     templates = B.pool(cfg, trace, ground.profile, prompt_mean=ground.exact.prompt_mean,
                        top=pool_top, memory_gib=memory)
-    table = B.Table(exact=ground.exact, trace=trace, restart_seconds=job.world.restart_seconds)
+    table = B.Table(exact=ground.exact, trace=trace, restart_seconds=job.world.restart_seconds, name=trace_name)
     (initial,) = table.add([cfg])
     table.add(templates)
     visited = []
     for r in ran.values():
         visited += table.add(r.plans, pinned=True)
     pool_size = len(table.templates)
+    table.run_steps()  # a SimulateError naming the trace when no plan runs any step
     best = B.refine(table, [B.best_static(table), initial], prompt_mean=ground.exact.prompt_mean)
     pool_seconds = time.perf_counter() - t0
-    runs = table.runnable()
+    runs, steps = table.runnable(), table.run_steps()  # the refined plans may run more steps
     must = [best, initial, *visited]
     ks = B.oracle_set(table, must, size=oracle_set)
     out: dict[str, PolicyResult] = {}
     paths: dict[str, B.Path] = {}
-    steps = [int(s) for s in np.flatnonzero(runs)]
     for name in names:
         t1 = time.perf_counter()
         if name == "best_static":
             if best is None:
-                out[name] = _unrun(name, trace, "no plan of the pool runs every step within the memory")
+                out[name] = _unrun(name, trace, "no plan of the pool holds a replica on every runnable step")
                 continue
             picks = [best] * len(steps)
         elif name == "initial_fixed":
@@ -241,21 +252,40 @@ def run_baselines(cfg: JobConfig, ground: Ground, trace: list[TraceStep], job: J
             picks = B.viterbi(table, ks)
         else:
             picks = B.greedy(table, ks)
-        paths[name] = path = B.path_of(table, name, picks, restart_seconds=job.world.restart_seconds)
+        paths[name] = path = B.path_of(table, name, picks)
         out[name] = _result(name, table, path, runs, time.perf_counter() - t1)
     if "oracle" in paths:
         bound = paths["oracle"].total
-        for name, p in paths.items():  # the set's policies: none beats the oracle
-            if name != "oracle" and (name != "best_static" or best in ks):
-                assert bound <= p.total * (1 + 1e-9) + 1e-9, f"oracle {bound} > {name} {p.total}"
+        skipped = {table.trace[s].step for s in np.flatnonzero(~runs)}
+        for name, p in paths.items():  # every table baseline's plans are in the set: none beats the oracle
+            if name != "oracle" and bound > p.total * (1 + 1e-9) + 1e-9:
+                raise SimulateError(f"trace {trace_name!r}: the oracle ({bound:.6g} s) is slower than {name} ({p.total:.6g} s)")
         for name, r in ran.items():
-            if not r.waits and set(table.add(r.plans, pinned=True)) <= set(ks):
-                assert bound <= r.run_seconds * (1 + 1e-9) + 1e-9, f"oracle {bound} > {name} {r.run_seconds}"
+            if {w["step"] for w in r.waits} == skipped and set(table.add(r.plans, pinned=True)) <= set(ks):
+                if bound > r.run_seconds * (1 + 1e-9) + 1e-9:
+                    raise SimulateError(f"trace {trace_name!r}: the oracle ({bound:.6g} s) is slower than {name} ({r.run_seconds:.6g} s)")
     info = {"pool": pool_size, "refined": len(table.templates) - pool_size, "oracle_set": len(ks), "oracle_set_cap": oracle_set, "pool_wall_seconds": pool_seconds,
             "loop_plans_in_set": len(set(visited)), "free_moves_seconds": B.free_moves(table),
             "best_static_plan": label(table.templates[best].plan) if best is not None else None,
-            "best_static_devices": table.templates[best].nproc if best is not None else None}
+            "best_static_devices": table.templates[best].nproc if best is not None else None,
+            "skipped_steps": int((~runs).sum()), "skipped_at": _spans([table.trace[s].step for s in np.flatnonzero(~runs)])}
     return out, info
+
+
+def oom_steps(r: PolicyResult) -> int:
+    """The steps a policy ran over the device's memory (each booked as a restart and the step again)."""
+    return sum(x["why"] == "out of memory" for x in r.restarts)
+
+
+def _spans(steps: list[int]) -> str:
+    """1, 2, 3, 7 → '1–3, 7' ('' for none)."""
+    out: list[list[int]] = []
+    for s in steps:
+        if out and out[-1][1] == s - 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return ", ".join(f"{a}–{b}" if a != b else f"{a}" for a, b in out)
 
 
 def _unrun(name: str, trace: list[TraceStep], why: str) -> PolicyResult:
@@ -271,7 +301,7 @@ def _result(name: str, table: B.Table, path: B.Path, runs: np.ndarray, wall: flo
     for s, t in enumerate(table.trace):
         k = path.picks[s]
         if k < 0 or not runs[s]:
-            r.waits.append({"step": t.step, "devices": t.devices, "why": "no plan of the pool runs on these devices"})
+            r.waits.append({"step": t.step, "devices": t.devices, "why": "no plan of the pool runs on these devices within the memory"})
             r.steps.append({"step": t.step, "devices": t.devices, "seconds": None, "plan": None})
             continue
         c = table.scaled[k][t.devices]
@@ -279,15 +309,21 @@ def _result(name: str, table: B.Table, path: B.Path, runs: np.ndarray, wall: flo
         r.plans.append(c)
     r.step_seconds = float(path.step_seconds.sum())
     r.restart_seconds = float(path.restart_seconds.sum())
-    for s in path.restarts:
-        r.restarts.append({"step": table.trace[s].step, "why": "failure" if table.trace[s].failed else "out of memory"})
-    for s, i, j, seconds in path.moves:
+    r.wait_seconds = float(path.wait_seconds.sum())
+    oom = set(path.oom)
+    for s in path.restarts:  # as the loop's _account names them
+        r.restarts.append({"step": table.trace[s].step, "why": "out of memory" if s in oom else "failure"})
+    for s, i, j, seconds, a_devices, kind in path.moves:
         t = table.trace[s]
-        a, b = table.scaled[i][int(table.devices[s - 1]) if s else t.devices], table.scaled[j][t.devices]
-        kind = "transition" if (a is None or a.nproc == b.nproc) else "world"
-        r.moves.append(Move(step=t.step, kind=kind, trigger=name, seconds=seconds, predicted_s=None, nbytes=0,
-                            old=label(a.plan) if a is not None else "", new=label(b.plan), devices=b.nproc))
-        r.transition_seconds += seconds
+        a, b = table.scaled[i][a_devices], table.scaled[j][t.devices]  # from the devices of the step before it that ran
+        move = Move(step=t.step, kind=kind, trigger=name, seconds=seconds, predicted_s=None, nbytes=0,
+                    old=label(a.plan), new=label(b.plan), devices=b.nproc)
+        r.moves.append(move)
+        if kind == "restart":  # cheaper than the live move: booked under restarts, as the loop's _book does
+            r.restart_seconds += seconds
+            r.restarts.append({"step": t.step, "why": f"restart on {b.nproc} devices ({name}): cheaper than the live move"})
+        else:
+            r.transition_seconds += seconds
     return r
 
 

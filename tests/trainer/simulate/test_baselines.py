@@ -5,12 +5,13 @@ every sequence of a few plans over a few steps, the world's transitions counted.
 import dataclasses
 import itertools
 import math
+import types
 
 import numpy as np
 import pytest
 from nereus.trainer.controller.search import stage_candidates
 from nereus.trainer.simulate import baselines as B
-from nereus.trainer.simulate.inputs import load_cluster, load_job, load_world
+from nereus.trainer.simulate.inputs import SimulateError, load_cluster, load_job, load_world
 from nereus.trainer.simulate.run import initial_config
 from nereus.trainer.simulate.traces import TraceStep
 
@@ -27,14 +28,18 @@ def tiny(tmp_path_factory):
     exact = load_world(cluster, job, noise=False)
     cfg = initial_config(cluster, job, trace, "mi250x", memory_gib=exact.params.memory_gib)
     templates = B.pool(cfg, trace, cluster.profile(), prompt_mean=job.prompt.mean, top=8, beam=16, memory_gib=exact.params.memory_gib)
-    table = B.Table(exact=exact, trace=trace)
+    table = B.Table(exact=exact, trace=trace, restart_seconds=job.world.restart_seconds)
     table.add([cfg, *templates])
     return exact, trace, table
 
 
+RESTART = 300.0  # the job's world.restart_seconds (inputs.py's default)
+
+
 def _step(exact, cfg, t) -> float:
+    """A step booked as the loop books it: over the memory, a restart and the step again."""
     _, seconds, oom = exact.step(cfg, t, peaks=False)
-    return math.inf if oom else seconds
+    return 2 * seconds + RESTART if oom else seconds
 
 
 def test_best_static_is_the_best_of_every_plan_priced_step_by_step(tiny):
@@ -79,7 +84,7 @@ def test_the_oracle_is_exact_against_every_sequence_and_bounds_every_policy(tiny
         for a, b in itertools.pairwise(seq):
             if a != b:
                 x, y = table.templates[a], table.templates[b]
-                total += exact.transition(x, x.plan, y.plan, 1)[0]
+                total += min(exact.transition(x, x.plan, y.plan, 1)[0], RESTART)  # a live move or a restart
         best = min(best, total)
     picks = B.viterbi(table, ks)
     path = B.path_of(table, "oracle", picks)
@@ -98,3 +103,103 @@ def test_scaling_keeps_tp_and_pp_and_fails_without_a_replica(tiny):
         for (k, a), b in zip(cfg.plan.stages().items(), half.plan.stages().values()):
             assert (a.tp, a.pp) == (b.tp, b.pp), k
     assert B.scale(dataclasses.replace(cfg), 0) is None
+
+
+class _Table(B.Table):
+    """A pure table: seconds, feasibility and live moves given (no world)."""
+
+    def __init__(self, trace, raw, feasible, moves, restart):
+        super().__init__(exact=None, trace=trace, restart_seconds=restart, name="pure")
+        self.raw, self.feasible, self._given = np.array(raw, dtype=float), np.array(feasible, dtype=bool), moves
+        self.scaled = [{t.devices: types.SimpleNamespace(nproc=t.devices) for t in trace} for _ in raw]
+
+    def transition(self, i, j, a, b, step=0):
+        return 0.0 if (i == j and a == b) else self._given[(i, j, a, b)]
+
+
+def _pure(seed=0):
+    rng = np.random.default_rng(seed)
+    devices = [0, 16, 16, 8, 8, 2, 16, 16, 2]  # step 1 waits at no pace; 6 and 9 no template runs (waited at the pace)
+    trace = [TraceStep(step=i + 1, devices=d, response_max=10, response_mean=5.0, failed=i == 6) for i, d in enumerate(devices)]
+    k = 4
+    raw = rng.uniform(5, 20, (k, len(trace)))
+    raw[:, [0, 5, 8]] = np.inf
+    raw[3, 3] = np.inf  # template 3 holds no replica on step 4
+    feasible = rng.uniform(size=raw.shape) > 0.3  # infeasible cells: a restart and the step again
+    for s in (1, 2, 3, 4, 6, 7):  # every runnable step: some template within the memory
+        feasible[s % 3, s] = True
+    moves = {(i, j, a, b): float(rng.choice([rng.uniform(0, 8), rng.uniform(40, 90)]))
+             for i in range(k) for j in range(k) for a in (16, 8) for b in (16, 8)}
+    return _Table(trace, raw, feasible, moves, restart=30.0)
+
+
+def _brute(table, seq) -> float:
+    """A sequence's time from the primitives: the loop's booking (module docstrings)."""
+    runs = [s for s in range(len(table.trace)) if (np.isfinite(table.raw[:, s]) & table.feasible[:, s]).any()]
+    total, pace, prev = 0.0, 0.0, None
+    for s, t in enumerate(table.trace):
+        if s not in runs:
+            total += pace
+            continue
+        k = seq[runs.index(s)]
+        raw = table.raw[k, s]
+        total += raw + ((raw + table.restart_seconds) if (not table.feasible[k, s] or t.failed) else 0.0)
+        if prev is not None:
+            (pk, pd) = prev
+            if (pk, pd) != (k, t.devices):
+                total += min(table.transition(pk, k, pd, t.devices), table.restart_seconds)
+        pace, prev = raw, (k, t.devices)
+    return total
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_oracle_is_exact_on_a_table_with_infeasible_cells_waits_and_device_changes(seed):
+    table = _pure(seed)
+    assert not table.feasible[:, [1, 2, 3, 4, 6, 7]].all() and len(set(table.devices.tolist())) == 4
+    ks = [0, 1, 2, 3]
+    best = min(_brute(table, seq) for seq in itertools.product(ks, repeat=6) if np.isfinite(_brute(table, seq)))
+    path = B.path_of(table, "oracle", B.viterbi(table, ks))
+    assert path.total == pytest.approx(best, rel=1e-12)
+    assert path.total == pytest.approx(_brute(table, [p for p in path.picks if p >= 0]), rel=1e-12)
+    # waits at the pace of the step before them (none before the first step ran)
+    assert path.wait_seconds[0] == 0 and path.wait_seconds[5] == path.step_seconds[4] > 0 and path.wait_seconds[8] == path.step_seconds[7]
+    # restarts: every infeasible pick and the failed step 7, each the step again
+    assert set(path.restarts) == {s for s in range(9) if path.picks[s] >= 0 and (not table.feasible[path.picks[s], s] or s == 6)}
+    for k in range(3):  # every static plan (3 has no replica on step 4) and greedy: none beats the oracle
+        assert path.total <= B.static_total(table, k) * (1 + 1e-12)
+        assert B.static_total(table, k) == pytest.approx(_brute(table, [k] * 6), rel=1e-12)
+    assert B.static_total(table, 3) == math.inf and B.best_static(table) == min(range(3), key=lambda k: _brute(table, [k] * 6))
+    assert path.total <= B.path_of(table, "greedy", B.greedy(table, ks)).total * (1 + 1e-12)
+
+
+def test_a_move_is_the_cheaper_of_the_live_move_and_a_restart():
+    table = _pure(0)
+    table._given[(0, 1, 16, 16)] = 500.0
+    table._given[(1, 0, 16, 16)] = 2.0
+    assert table.move(0, 1, 16, 16) == 30.0 and table.move_kind(0, 1, 16, 16) == "restart"
+    assert table.move(1, 0, 16, 16) == 2.0 and table.move(2, 2, 16, 16) == 0.0
+
+
+def test_a_table_no_plan_runs_is_a_one_line_error():
+    table = _pure(0)
+    table.raw[:] = np.inf
+    for fn in (B.best_static, B.free_moves, lambda t: B.viterbi(t, [0, 1]), lambda t: B.path_of(t, "x", [])):
+        with pytest.raises(SimulateError, match=r"^trace 'pure': no plan of the pool runs any of its 9 steps within the memory \(devices 0, 2, 8, 16\)$"):
+            fn(table)
+    with pytest.raises(SimulateError, match="restart_seconds must be >= 0"):
+        _Table(table.trace, table.raw, table.feasible, {}, restart=-1.0)
+
+
+def test_path_of_wants_one_plan_per_runnable_step():
+    with pytest.raises(SimulateError, match="x: 2 plans for the trace's 6 runnable steps"):
+        B.path_of(_pure(0), "x", [0, 0])
+
+
+def test_the_move_cache_keys_on_the_step_in_a_noisy_world(tiny):
+    exact, trace, table = tiny
+    noisy = type(exact)(exact.params, seed=exact.seed, prompt_mean=exact.prompt_mean, noise=True)
+    t = B.Table(exact=noisy, trace=trace, restart_seconds=1e9)
+    t.add(table.templates[:2])
+    x, y = t.templates
+    seconds = [t.move(0, 1, 16, 16, s) for s in (1, 2, 3)]
+    assert seconds == [noisy.transition(x, x.plan, y.plan, s)[0] for s in (1, 2, 3)] and len(set(seconds)) == 3

@@ -26,7 +26,9 @@ def test_the_oracle_bounds_every_policy_and_best_static_bounds_the_fixed_plan(sm
         assert res["oracle"].run_seconds <= p.run_seconds * (1 + 1e-9), name
     assert res["best_static"].run_seconds <= res["initial_fixed"].run_seconds * (1 + 1e-9)
     assert not res["best_static"].moves and not res["initial_fixed"].moves
-    assert r.truth["free_moves_seconds"] <= res["oracle"].step_seconds * (1 + 1e-9)  # the pool's ceiling
+    moves = sum(m.seconds for m in res["oracle"].moves)
+    assert r.truth["free_moves_seconds"] <= (res["oracle"].run_seconds - moves) * (1 + 1e-9)  # the pool's ceiling
+    assert set(r.truth["oom_steps"]) == set(res) and all(n >= 0 for n in r.truth["oom_steps"].values())
     moved = res["adaptive"].moves
     assert all(m.seconds > 0 for m in moved if m.kind == "transition")
 
@@ -190,7 +192,11 @@ def test_too_few_devices_make_the_job_wait_and_the_output_says_so():
     assert r.results["adaptive"].wait_seconds > 0
     md = summary_markdown(r)
     assert "adaptive waited at steps 3–5 (1 devices)" in md
-    assert "best_static waited at steps 3–5 (1 devices): no plan of the pool runs on these devices" in md
+    assert "best_static waited at steps 3–5 (1 devices): no plan of the pool runs on these devices within the memory" in md
+    for name, p in r.results.items():  # every policy waits at its last step's pace, the table's as the loop's
+        assert p.wait_seconds == pytest.approx(3 * p.steps[1]["seconds"], rel=1e-12) and p.wait_seconds > 0, name
+        assert p.run_seconds == pytest.approx(p.step_seconds + p.transition_seconds + p.restart_seconds + p.wait_seconds)
+    assert r.truth["skipped_steps"] == 3 and r.truth["skipped_at"] == "3–5" and "skipped_steps=3" in md
     # the devices came back: the adaptive policy moved back to the whole cluster
     assert r.results["adaptive"].steps[-1]["devices"] == 64
 

@@ -9,9 +9,9 @@
 - ``memory``    every rank's peak, co-resident state, hidden allocator slack per layout class
 - ``movement``  weight syncs and transitions on the world's links
 - ``noise``     counter-based draws: device speeds, stragglers, per-step noise
-- ``world``     ``World``: the interface ``truth.Truth`` offers, plus ``expected_trace`` over a trace
+- ``world``     ``World``: a step's pieces and peaks, out of memory, a transition (what ``policies``/``baselines`` ask), plus ``expected_trace`` over a trace
 
-It imports nothing of ``trainer/controller`` nor ``truth``/``policies`` (a test holds that
+It imports nothing of ``trainer/controller`` nor ``policies``/``baselines`` (a test holds that
 boundary); docs/world.md lists every parameter, its source, and what the world leaves out.
 """
 
