@@ -276,7 +276,7 @@ class Controller:
             return self._decided(Decision(**common, admitted=False, new_plan=config_to_dict(best.plan),
                                           new_seconds=best.seconds, gain_seconds=old - best.seconds,
                                           transition_seconds=(cost or price(best)).seconds, decision_ms=ms(),
-                                          reason=f"no better plan's transition fits the budget (old and new state held: {gib(held)} GiB)"))
+                                          reason=f"no better plan's transition fits the budget (held while it moves: {gib(held)} GiB)"))
         return self._admit(cfg, common, old_stages, best, cost or price(best), moving, t0)
 
     def _triggers(self, cfg: JobConfig, metrics: dict | None, nproc: int | None, work: Workload,
@@ -387,12 +387,15 @@ class Controller:
         return worst
 
     def _move_peak(self, cfg: JobConfig, new: PlanConfig) -> float:
-        """The calibrated bytes a rank holds while the running plan moves to ``new`` (before
-        headroom), corrected as the least known of the ranks' classes in either plan."""
+        """The calibrated bytes a rank holds while the running plan moves to ``new`` stage by
+        stage (``transition.transition_peak``; before headroom): the resident bytes, exact (no
+        class margin: the model counts them, it does not estimate them), plus the largest
+        measured offset of the ranks' classes in either plan (a class not run yet: the largest
+        offset measured) — what a process holds beyond its tensors."""
         groups = distinct_ranks(cfg, (cfg.plan, new))
         classes = {_rank_terms(plan, held[k])[2] for held, _ in groups for k, plan in enumerate((cfg.plan, new)) if held[k]}
         peak = transition_peak(cfg, cfg.plan, new, groups=groups)
-        return max(self.memory.peak(peak, 0, c) for c in classes)
+        return peak + max(self.memory.terms(c)[0] for c in classes)
 
     def _decided(self, decision: Decision) -> Decision:
         self._log("transitions.jsonl", {"kind": "decision", **asdict(decision)})
@@ -412,8 +415,9 @@ class Controller:
         pending, self.pending = self.pending or {"stages": 0, "movement_s": 0.0}, None
         if "error" in done:
             self.left.pop(plan_key_of(decision.old_plan), None)
-            self._log("transitions.jsonl", {"kind": "failed", "step": decision.step, "error": done["error"],
-                                            "new_plan": decision.new_plan, "running": "the old plan, its state intact"})
+            running = done.get("plan")  # the stages moved before the refusal stay moved (``runtime/transition.apply_plan``)
+            self._log("transitions.jsonl", {"kind": "failed", "step": decision.step, "error": done["error"], "new_plan": decision.new_plan,
+                                            "running": "the old plan, its state intact" if running in (None, decision.old_plan) else running})
             return
         self.transition_samples.append((done["seconds"], pending["stages"], pending["movement_s"]))
         if self.settings.calibrate:

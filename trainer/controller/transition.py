@@ -19,9 +19,13 @@ class (``cross``), one message per pipeline-stage tensor — an upper bound of t
 seconds up to its rounds, what the admission rule needs to decide (the executor plans the
 exact rounds when it runs).
 
-While a stage moves, its old and new state are both held: ``transition_peak`` is every
-rank's resident memory of the old plan plus the rebuilt stages' new resident memory (the
-controller refuses a transition whose peak is over the budget).
+The executor (``runtime/transition.apply_plan``) moves the rebuilt stages one at a time, in
+``move_order``, and releases each old stage once its state has moved: while stage k moves, a
+rank holds the stages already moved in their new layout, the rest in their old one, and
+stage k in both — except a weight-synced copy (``actor.gen``, ``critic.infer``; ``refilled``),
+whose old copy is freed before the new one is built: its weights come from its training
+stage's sync, not from the old copy. ``transition_peak`` is the largest of those sums over the ranks and
+the moves (the controller refuses a transition whose peak is over the budget).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from nereus.reshard.graph import plan_graph
 from nereus.reshard.links import LINK_CLASSES, LinkCost, calibrate
 
 from ..config import JobConfig, PlanConfig, StageConfig
-from ..config.names import ACTOR_GEN
+from ..config.names import ACTOR_GEN, SYNCED
 from .candidates import layout_of
 
 REBUILD_SECONDS = 0.3  # prior per rebuilt model-stage (this CPU: module build, groups, optimizer)
@@ -135,13 +139,45 @@ class TransitionModel:
         return TransitionModel(link=self.link, rebuild=max(0.0, sum(per_stage) / len(per_stage)))
 
 
+def refilled(cfg: JobConfig, key: str) -> bool:
+    """Whether the executor refills ``key`` from its weight sync instead of moving its state:
+    a weight-synced copy (``SYNCED``) of the built-in engine (a vLLM engine's copy moves)."""
+    return key in SYNCED and not (key == ACTOR_GEN and cfg.rollout.engine == "vllm")
+
+
+def move_order(cfg: JobConfig, old: PlanConfig, new: PlanConfig, *, groups=None) -> list[str]:
+    """The rebuilt stages of ``old`` → ``new`` in the order the executor moves them: each
+    next the one whose move raises the busiest rank's bytes least (ties: the plan's order),
+    so that stages that shrink go first. Pure and the same on every rank (the model's
+    resident bytes, not a rank's measured ones). ``groups``: ``memory.distinct_ranks(cfg,
+    (old, new))``, if at hand."""
+    return _moves(cfg, old, new, groups)[0]
+
+
 def transition_peak(cfg: JobConfig, old: PlanConfig, new: PlanConfig, *, groups=None) -> int:
-    """The largest resident bytes any rank holds while ``old`` moves to ``new`` (before
-    headroom). ``groups``: ``memory.distinct_ranks(cfg, (old, new))``, if at hand."""
+    """The largest resident bytes any rank holds while ``old`` moves to ``new`` stage by stage
+    in ``move_order`` (module docstring), before headroom; at least the old plan's resident
+    bytes. ``groups``: ``memory.distinct_ranks(cfg, (old, new))``, if at hand."""
+    return _moves(cfg, old, new, groups)[1]
+
+
+def _moves(cfg: JobConfig, old: PlanConfig, new: PlanConfig, groups) -> tuple[list[str], int]:
+    """(``move_order``, ``transition_peak``)."""
     from .memory import distinct_ranks
 
-    rebuilt = set(rebuilt_stages(old, new))
-    worst = 0
-    for (held, coming), _ in groups if groups is not None else distinct_ranks(cfg, (old, new)):
-        worst = max(worst, sum(m.resident for m in held) + sum(m.resident for m in coming if m.stage in rebuilt))
-    return worst
+    rebuilt = rebuilt_stages(old, new)
+    ranks = groups if groups is not None else distinct_ranks(cfg, (old, new))
+    held = [{m.stage: m.resident for m in h} for (h, _), _ in ranks]  # per rank group: what it holds, in the old layout
+    coming = [{m.stage: m.resident for m in c} for (_, c), _ in ranks]
+    current = [sum(h.values()) for h in held]
+    peak, order, left = max(current, default=0), [], list(rebuilt)
+    while left:
+        def during(key: str) -> list[int]:  # every group's bytes while ``key`` moves
+            freed_first = refilled(cfg, key) and key in old.stages()
+            return [c + new_k.get(key, 0) - (h.get(key, 0) if freed_first else 0) for c, h, new_k in zip(current, held, coming)]
+        key = min(left, key=lambda k: (max(during(k), default=0), left.index(k)))
+        peak = max([peak, *during(key)])
+        current = [c + n.get(key, 0) - h.get(key, 0) for c, h, n in zip(current, held, coming)]
+        order.append(key)
+        left.remove(key)
+    return order, peak

@@ -2,9 +2,9 @@
 
 Rank 0 holds the live ``Controller`` (``trainer/controller/online.py``): after every step it
 observes the step's metrics and the measured reshard messages, and decides. Its decision is
-broadcast; an admitted plan is applied by every rank together (``Trainer.apply_plan``, all or
-nothing), and the outcome is agreed over the world before the controller and the job record
-hear of it. A controller failure never stops the job: the plan stays.
+broadcast; an admitted plan is applied by every rank together (``Trainer.apply_plan``, stage
+by stage, each stage all or nothing), and the outcome is agreed over the world before the
+controller and the job record hear of it. A controller failure never stops the job: the plan stays.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class JobControl:
         if message[0] is not None:
             from nereus.reshard.errors import TransitionTimeout
 
-            from ..config import PlanConfig, build_tree
+            from ..config import PlanConfig, build_tree, config_to_dict
 
             from ..elastic.phases import mark
 
@@ -75,8 +75,8 @@ class JobControl:
                     f"plan transition at step {metrics['step']} timed out: {e}. The process group cannot be reused: restart "
                     "the workers (torchrun restarts them; nereus train --resume continues from the last checkpoint)"
                 ) from e
-            except Exception as e:  # noqa: BLE001 - the old plan keeps running (apply_plan is all or nothing)
-                done = {"error": f"{type(e).__name__}: {e}"}
+            except Exception as e:  # noqa: BLE001 - the plan in effect keeps running (each stage moved whole or not at all)
+                done = {"error": f"{type(e).__name__}: {e}", "plan": config_to_dict(trainer.cfg.plan)}
             # every rank runs this, failed or not: (failed, committed, peak) over the world
             agreed = torch.tensor([float("error" in done), float("error" not in done), float(done.get("peak_bytes", 0))])
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)

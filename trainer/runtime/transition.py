@@ -28,7 +28,7 @@ from nereus.reshard.plan import plan_transfers
 from nereus.reshard.stream import StagingArena
 
 from ..config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN
-from ..metrics.meters import trim_heap
+from ..metrics.meters import release_freed_memory, trim_heap
 from .stages import ModelStage, build_stages, make_optimizer
 
 
@@ -78,85 +78,117 @@ def plan_syncs(stages: dict[str, ModelStage]) -> list[WeightSync]:
 
 def apply_plan(trainer, plan, *, verify: bool = False) -> dict:
     """Move the job to ``plan`` between steps, on every rank (collective; every rank calls
-    it with the same plan). The model-stages whose layout changes are built anew (groups,
-    modules on meta, parallelize) and their state — weights, and AdamW state of a
-    training stage — streams from the old layout to the new one through reshard, exact;
-    then the weight syncs are re-planned and the old layout's process groups destroyed.
+    it with the same plan). Stages whose micro-batches alone change are retuned in place.
+    The model-stages whose layout changes move one at a time, in the controller's
+    ``move_order`` (``controller/transition.py``, which prices the move's peak the same way):
+    the new stage is built (groups, modules on meta, parallelize) and its state — weights,
+    and AdamW state of a training stage — streams from the old layout through reshard,
+    exact; then the old stage is released before the next one is built. A weight-synced copy
+    (``actor.gen``, ``critic.infer`` of the built-in engine) is released first and rebuilt
+    empty: the weight sync refills it, re-planned and run at the end.
 
-    All or nothing: a rank that fails to build its part tells the others (one all-reduce
-    before any state moves), and every rank keeps the old plan; reshard refuses on every
-    rank together. With ``verify`` the moved state is gathered on rank 0 and compared with
-    the old, element for element, before the new stages take over (a mismatch keeps the
-    old plan). Either way the old stages are untouched and the error is raised.
+    Each stage commits on its own: a rank that fails to build its part tells the others (one
+    all-reduce before that stage's state moves); every rank then keeps that stage and the
+    rest in their old layout (a refilled copy is rebuilt in its old layout), the stages
+    already moved stay moved — the job runs the mixed plan, each stage whole in one layout —
+    and a RuntimeError naming the stage is raised. With ``verify`` each moved stage's state
+    is gathered on rank 0 and compared with the old, element for element, before the old is
+    released (a mismatch refuses that stage the same way).
     Returns ``{"stages": [...], "rebuilt": [...], "bytes": cross-rank bytes, "seconds": s,
-    "verified": n, "peak_bytes": b}`` (``rebuilt``: the stages built anew, the others only
-    retuned their micro-batch size; ``verified``: tensors compared, 0 without ``verify``;
-    ``peak_bytes``: this rank's measured peak while building and moving, verification
-    excluded — it gathers whole tensors on rank 0)."""
-    from ..controller.transition import changed_stages, rebuilt_stages
+    "verified": n, "peak_bytes": b}`` (``rebuilt``: the stages built anew, in the order
+    moved; ``verified``: tensors compared, 0 without ``verify``; ``peak_bytes``: this rank's
+    measured peak while building and moving, verification excluded)."""
+    from ..controller.transition import changed_stages, move_order, rebuilt_stages, refilled
     from ..parallel.groups import release_groups
     from .stages import stage_group_ranks
 
     t0 = time.perf_counter()
-    new_cfg = replace(trainer.cfg, plan=plan)
+    target = plan
     changed = rebuilt_stages(trainer.cfg.plan, plan)
     retuned = [k for k in changed_stages(trainer.cfg.plan, plan) if k not in changed]
-
-    def retune() -> None:  # a new micro-batch size: the same modules and state
-        for key in retuned:
-            trainer.stages[key].settings = plan.stages()[key]
-        trainer.cfg = new_cfg
-
+    for key in retuned:  # a new micro-batch size: the same modules and state
+        trainer.stages[key].settings = plan.stages()[key]
+    trainer.cfg = replace(trainer.cfg, plan=_with_stages(trainer.cfg.plan, plan, retuned))
     if not changed:
-        retune()
-        return {"stages": retuned, "rebuilt": [], "bytes": 0, "seconds": time.perf_counter() - t0, "verified": 0,
-                "peak_bytes": 0}
+        return {"stages": retuned, "rebuilt": [], "bytes": 0, "seconds": time.perf_counter() - t0, "verified": 0, "peak_bytes": 0}
+    order = move_order(trainer.cfg, trainer.cfg.plan, target)
     if trainer.device.type == "cpu":
         trim_heap()  # the peak below is the move's own
+    moved, verified, done = 0, 0, []
+    trainer.syncs = []  # they hold the old stages: re-planned below
     try:
         with trainer.meter("transition"):
-            fresh, moved = _build_and_move(trainer, new_cfg, changed)
+            for key in order:
+                nbytes, count = _move_stage(trainer, target, key, verify)
+                moved, verified = moved + nbytes, verified + count
+                done.append(key)
     finally:
         trainer.meter.seconds.pop("transition", None)
         peak = trainer.meter.peaks.pop("transition", 0)
-    verified = _verify_moved(trainer, changed, fresh) if verify else 0
-    for key in changed:  # AdamW's step moved with its state: the schedule continues from it
-        if key.endswith(".train"):
-            trainer.attach_schedule(key, fresh[key])
-    trainer.stages = {**trainer.stages, **fresh}
-    retune()
-    trainer.syncs = plan_syncs(trainer.stages)
-    release_groups(stage_group_ranks(trainer.stages))
-    return {"stages": changed + retuned, "rebuilt": changed, "bytes": moved, "seconds": time.perf_counter() - t0,
+        # a collective that failed mid-stage (a peer gone) leaves a refilled copy unbuilt: the job cannot go on, the error stands
+        trainer.syncs = plan_syncs(trainer.stages) if all(k in trainer.stages for k in trainer.cfg.plan.stages()) else []
+        for sync in trainer.syncs:  # the refilled copies (moved or rebuilt after a refusal) get their weights now
+            if sync.dst.key in order and refilled(trainer.cfg, sync.dst.key):
+                trainer.messages.extend(measured_messages(sync()))
+        release_groups(stage_group_ranks(trainer.stages))
+    return {"stages": done + retuned, "rebuilt": done, "bytes": moved, "seconds": time.perf_counter() - t0,
             "verified": verified, "peak_bytes": peak}
 
 
-def _build_and_move(trainer, new_cfg, changed: list[str]) -> tuple[dict, int]:
-    """Build the ``changed`` stages of ``new_cfg`` and stream their state into them; the
-    fresh stages and the bytes that crossed ranks."""
-    error, plans = None, {}
+def _with_stages(plan, target, keys):
+    """``plan`` with the stages ``keys`` as ``target`` has them."""
+    from ..config import PlanConfig, build_tree, config_to_dict
+
+    a, b = config_to_dict(plan), config_to_dict(target)
+    for key in keys:
+        model, stage = key.split(".")
+        a.setdefault(model, {})[stage] = b[model][stage]
+    return build_tree(PlanConfig, a, "plan.")
+
+
+def _move_stage(trainer, target, key: str, verify: bool) -> tuple[int, int]:
+    """Move model-stage ``key`` into ``target``'s layout (``apply_plan``); (bytes that crossed
+    ranks, tensors verified). On a refusal every rank keeps ``key`` in its old layout
+    and raises."""
+    from ..controller.transition import refilled
+
+    new_cfg = replace(trainer.cfg, plan=_with_stages(trainer.cfg.plan, target, [key]))
+    old = trainer.stages.get(key)
+    refill = refilled(trainer.cfg, key) and old is not None
+    if refill:  # its weights come from the sync: released before the new copy is built
+        del trainer.stages[key]
+        old = None
+        release_freed_memory(trainer.device)
+    error, transfers, fresh = None, None, None
     try:  # every rank's own part, agreed on below before any state moves
-        fresh = build_stages(new_cfg, trainer.rank, trainer.device, keys=changed)  # groups first: collective, in order
-        for key in changed:
-            if key.endswith(".train") and fresh[key].part is not None:
-                make_optimizer(fresh[key], trainer.lr(key))
-        for key in changed:
-            plans[key] = plan_transfers(trainer.stages[key].emus, fresh[key].emus)
+        fresh = build_stages(new_cfg, trainer.rank, trainer.device, keys=[key])[key]  # groups first: collective, in order
+        if key.endswith(".train") and fresh.part is not None:
+            make_optimizer(fresh, trainer.lr(key))
+        if not refill and old is not None:
+            transfers = plan_transfers(old.emus, fresh.emus)
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = f"rank {trainer.rank}: {type(e).__name__}: {e}"
     flag = torch.tensor([0.0 if error is None else 1.0])
     dist.all_reduce(flag)
     if flag.item():
-        raise RuntimeError(f"plan transition refused before any state moved: {error or 'another rank failed to build'}")
-    moved = 0
-    for key in changed:  # reshard's agreement fails every rank together, within its deadline
-        old, new, transfers = trainer.stages[key], fresh[key], plans[key]
-        moved += sum(t.nbytes for t in transfers.transfers if t.src_rank != t.dst_rank)
-        dst = new.buffers() if new.member else {}
+        fresh = None
+        if refill:  # back in the layout it had (the sync refills it)
+            trainer.stages[key] = build_stages(trainer.cfg, trainer.rank, trainer.device, keys=[key])[key]
+        raise RuntimeError(f"plan transition refused at {key} before its state moved: {error or 'another rank failed to build'}")
+    nbytes = 0
+    if transfers is not None:  # reshard's agreement fails every rank together, within its deadline
+        nbytes = sum(t.nbytes for t in transfers.transfers if t.src_rank != t.dst_rank)
         result = execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=trainer.rank,
-                         dst_buffers=dst)
+                         dst_buffers=fresh.buffers() if fresh.member else {})
         trainer.messages.extend(measured_messages(result))
-    return fresh, moved
+    count = _verify_moved(trainer, [key], {key: fresh}) if verify and transfers is not None else 0
+    if key.endswith(".train"):  # AdamW's step moved with its state: the schedule continues from it
+        trainer.attach_schedule(key, fresh)
+    trainer.stages[key] = fresh  # the old stage is released here
+    trainer.cfg = new_cfg
+    old = None
+    release_freed_memory(trainer.device)
+    return nbytes, count
 
 
 def _verify_moved(trainer, keys: list[str], fresh: dict) -> int:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from ..config import JobConfig, PlanConfig, build_tree
 from ..controller.admission import DriftWatch
 from ..controller.online import Controller
+from ..controller.transition import move_order
 from .baselines import explicit
 from .traces import TraceStep
 
@@ -150,15 +151,31 @@ class Adaptive(Policy):
         new_plan = build_tree(PlanConfig, decision.new_plan, "plan.")
         old = self.cfg
         if kind == "world":
-            big = dataclasses.replace(cfg, nproc=max(old.nproc, cfg.nproc))
-            seconds, measured, nbytes, stages = self.ground.transition(big, explicit(old.plan, old.nproc), explicit(new_plan, cfg.nproc), t.step)
+            on = dataclasses.replace(cfg, nproc=max(old.nproc, cfg.nproc))
+            a, b = explicit(old.plan, old.nproc), explicit(new_plan, cfg.nproc)
         else:
-            seconds, measured, nbytes, stages = self.ground.transition(cfg, cfg.plan, new_plan, t.step)
+            on, a, b = cfg, cfg.plan, new_plan
+        if not self.ground.exact.move_fits(on, a, b, move_order(on, a, b)):  # the executor's order, on the world's memory
+            if kind == "world":  # the devices changed under the old plan: restart in the new one from the staged state
+                self.controller.transitioned(decision, {"error": "out of memory during the transition (the world's memory)"})
+                return self._restart(t, decision, cfg.nproc)
+            return self._failed_move(t, decision, kind)
+        seconds, measured, nbytes, stages = self.ground.transition(on, a, b, t.step)
         self.controller.transitioned(decision, {"seconds": measured, "bytes": nbytes, "stages": list(stages), "rebuilt": list(stages)})
         self.cfg = dataclasses.replace(cfg, plan=new_plan)
         self.controller.nproc = cfg.nproc
         move = Move(step=t.step, kind=kind if stages else "retune", trigger=decision.trigger, seconds=seconds,
                     predicted_s=decision.transition_seconds, nbytes=nbytes, old=label(old.plan), new=label(new_plan), devices=cfg.nproc)
+        self.moves.append(move)
+        return move
+
+    def _failed_move(self, t: TraceStep, decision, kind: str) -> Move:
+        """A move the world's memory cannot hold runs out of memory part-way: the workers
+        restart from the staged state in the plan they ran (``world.restart_seconds``, booked
+        as a restart); the controller hears that the transition failed."""
+        self.controller.transitioned(decision, {"error": "out of memory during the transition (the world's memory)"})
+        move = Move(step=t.step, kind="restart", trigger=f"{decision.trigger}: the {kind} ran out of memory", seconds=self.ground.restart_seconds,
+                    predicted_s=decision.transition_seconds, nbytes=0, old=label(self.cfg.plan), new=label(self.cfg.plan), devices=self.cfg.nproc)
         self.moves.append(move)
         return move
 

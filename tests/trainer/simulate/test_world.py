@@ -367,3 +367,33 @@ def test_a_transition_fed_by_one_node_waits_on_its_nics():
     assert one_node - rebuild == pytest.approx(56 * state / 9.0e10 + messages * 8e-6, rel=1e-6)
     assert per_node - rebuild == pytest.approx(state / 4.5e10 + messages * 2e-6, rel=1e-6)
     assert one_node - rebuild > 20 * (per_node - rebuild)
+
+
+def test_a_move_runs_out_of_memory_in_the_world_where_stage_by_stage_it_does_not_fit():
+    """The world prices the executor's move stage by stage: the old state of the stages not yet
+    moved, the new of those moved, the moving one in both (a weight-synced copy freed first)."""
+    from nereus.trainer.simulate.world import memory as M
+
+    w = World.from_file("mi250x", seed=0, noise=False)
+    old = job_cfg(plan_of({"dp": 16}, gen={"dp": 16}, infer={"dp": 16}), 16)
+    new = job_cfg(plan_of({"dp": 8, "tp": 2}, gen={"dp": 8, "tp": 2}, infer={"dp": 16}), 16).plan
+    order = ["actor.gen", "actor.train", "critic.train"]
+    p = w.params.memory
+
+    def peak(order):
+        return M.move_peak(old, old.plan, new, order, slack=w.slack, reserved=p.reserved_gib * M.GIB, workspace=p.workspace_mib * (1 << 20))
+
+    shape = {k: ModelShape.of(old, k) for k in old.plan.stages()}
+    res = {k: resident_bytes(k, sc, shape[k])[0] for k, sc in old.plan.stages().items()}
+    res_new = {k: resident_bytes(k, new.stages()[k], shape[k])[0] for k in order}
+    worst = max(w.slack(layout_class(k, sc)) for plan in (old.plan, new) for k, sc in plan.stages().items())
+    held, during = sum(res.values()), []
+    for k in order:  # by hand: rank 0 of every stage
+        during.append(held - (res[k] if k == "actor.gen" else 0) + res_new[k])
+        held += res_new[k] - res[k]
+    expected = (max(sum(res.values()), *during) + p.workspace_mib * (1 << 20)) * (1 + worst) + p.reserved_gib * M.GIB
+    assert peak(order) == pytest.approx(expected, rel=1e-12)
+    assert peak(order) < peak(["actor.train", "critic.train", "actor.gen"]) or res_new["actor.gen"] >= res["actor.gen"]
+    tight = dataclasses.replace(old, device_memory_gib=expected / M.GIB)
+    assert w.move_fits(tight, old.plan, new, order)
+    assert not w.move_fits(dataclasses.replace(old, device_memory_gib=expected / M.GIB * 0.999), old.plan, new, order)

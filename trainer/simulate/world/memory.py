@@ -167,3 +167,37 @@ def group_peaks(cfg: JobConfig, lengths: Lengths, *, slack: Callable[[str], floa
             if j >= 0:
                 out[g] = np.maximum(out[g], (held + trans[j] + workspace) * (1 + s) + reserved)
     return out, inverse
+
+
+SYNCED_COPIES = ("actor.gen", "critic.infer")  # refilled by their training stage's weight sync, not moved
+
+
+def move_peak(cfg: JobConfig, old, new, order: list[str], *, slack: Callable[[str], float], reserved: float,
+              workspace: float) -> float:
+    """The largest rank's bytes while ``old`` moves to ``new`` one rebuilt stage at a time in
+    ``order`` (the executor's), each old stage released after its state moved — a weight-synced
+    copy of the built-in engine released before its new one is built: every rank holds the stages moved in their new
+    layout, the others in their old one, the moving stage in both; (held + workspace) ·
+    (1 + the largest slack of the rank's classes in either plan) + reserved."""
+    a, b = old.stages(), new.stages()
+    n = max([cfg.nproc] + [int(stage_ranks(sc, cfg.nproc).max()) + 1 for sc in (*a.values(), *b.values())])
+
+    def per_rank(key: str, sc: StageConfig) -> np.ndarray:
+        out = np.zeros(n)
+        ranks = stage_ranks(sc, cfg.nproc)
+        out[ranks] = resident_bytes(key, sc, ModelShape.of(cfg, key))[(np.arange(len(ranks)) // sc.tp) % sc.pp]
+        return out
+
+    held = {k: per_rank(k, sc) for k, sc in a.items()}
+    coming = {k: per_rank(k, b[k]) for k in order}
+    worst = np.zeros(n)
+    for plan in (a, b):
+        for k, sc in plan.items():
+            worst = np.where(per_rank(k, sc) > 0, np.maximum(worst, slack(layout_class(k, sc))), worst)
+    current = sum(held.values(), np.zeros(n))
+    peak = current.copy()
+    for k in order:
+        freed = held.get(k, 0) if k in SYNCED_COPIES and not (k == "actor.gen" and cfg.rollout.engine == "vllm") else 0
+        peak = np.maximum(peak, current - freed + coming[k])
+        current = current - held.get(k, 0) + coming[k]
+    return float(((peak + workspace) * (1 + worst) + reserved).max())

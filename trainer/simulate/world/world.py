@@ -1,7 +1,8 @@
 """The world: the simulator's ground truth, with its own structure and public parameters (pure).
 
-``World`` answers what ``trainer/simulate/truth.py``'s ``Truth`` answers — a step's measured
-pieces, every rank's peak, out of memory, a transition's seconds — from its own models:
+``World`` answers what the step loop (``policies.py``, ``run.py``) and the baselines
+(``baselines.py``) ask — a step's measured pieces, every rank's peak, out of memory, a
+transition's seconds — from its own models:
 
 - a piece's seconds (``stages``, ``generate``: kernels on a roofline, hierarchical
   collectives, the real micro-batch schedule) × its slowest device's speed (``noise``:
@@ -287,6 +288,13 @@ class World:
         return out
 
     # ------------------------------------------------------------------ transitions
+
+    def move_fits(self, cfg: JobConfig, old: PlanConfig, new: PlanConfig, order: list[str]) -> bool:
+        """Whether every rank's memory holds the move of ``old`` to ``new`` stage by stage in
+        ``order`` (``memory.move_peak``); a move that does not runs out of memory."""
+        p = self.params.memory
+        return memory.move_peak(cfg, old, new, order, slack=self.slack, reserved=p.reserved_gib * memory.GIB,
+                                workspace=p.workspace_mib * (1 << 20)) <= self.budget(cfg)
 
     def transition(self, cfg: JobConfig, old: PlanConfig, new: PlanConfig, step: int) -> tuple[float, int, tuple[str, ...]]:
         """(seconds, bytes that cross between ranks, rebuilt stages) of moving ``old`` to ``new``."""
