@@ -90,7 +90,17 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 
 RDZV_ROUND_ENV = "NEREUS_RDZV_ROUND"
-LAUNCH_ID_ENV = "NEREUS_LAUNCH_ID"  # trainer/elastic/run_lock.py reads it (the same name there)
+LAUNCH_ID_ENV = "NEREUS_LAUNCH_ID"
+"""``<rdzv id>:<launch id>``: the launch id the rendezvous store gave every round of this
+launch (``publish_store_every_round``); trainer/elastic/run_lock.py reads it."""
+LAUNCHER_ENV = "NEREUS_LAUNCHER"
+"""``<pid>:<rdzv id>`` of the Nereus launcher that spawned this worker (``run_lock.die_with_launcher``)."""
+
+
+def launcher_env(run_id: str) -> str:
+    """``LAUNCHER_ENV``'s value for this process launching the agent run ``run_id``."""
+    return f"{os.getpid()}:{run_id}"
+
 
 
 def publish_store_every_round() -> None:
@@ -354,8 +364,6 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "
         start_method="spawn",
         monitor_interval=0.1,
     )
-    from nereus.trainer.elastic.run_lock import LAUNCHER_ENV, launcher_env
-
     publish_store_every_round()
     os.environ[LAUNCHER_ENV] = launcher_env(run_id)  # the workers die with this process (run_lock.die_with_launcher)
     try:

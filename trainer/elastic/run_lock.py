@@ -78,6 +78,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from nereus.launch import LAUNCH_ID_ENV, LAUNCHER_ENV, launcher_env  # noqa: F401 - the launcher's names, read here
+
 LOCK_NAME = ".lock"
 WORKERS_LOCK_NAME = ".lock.workers"
 SAME_JOB_WAIT_S = 30.0
@@ -85,8 +87,6 @@ SAME_JOB_WAIT_S = 30.0
 WORKER_LOCK_WAIT_S = 10.0
 """How long a worker tries for ``LOCK_SH`` on ``.lock.workers`` (an acquirer holds ``LOCK_EX`` for an instant only)."""
 NO_FLOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
-LAUNCHER_ENV = "NEREUS_LAUNCHER"
-"""``<pid>:<rdzv id>`` of the Nereus launcher that spawned this worker (``die_with_launcher``)."""
 _READ_TRIES = 20  # a holder that just locked writes its record within milliseconds
 
 
@@ -374,21 +374,11 @@ def hold_for_worker(run_dir: str, *, timeout_s: float = WORKER_LOCK_WAIT_S) -> N
     _HELD[run_dir] = fd
 
 
-LAUNCH_ID_ENV = "NEREUS_LAUNCH_ID"
-"""``<rdzv id>:<launch id>``: the launch id the rendezvous store gave every round of this
-launch (``nereus.launch.publish_store_every_round``)."""
-
-
 def launch_of(value: str | None, run_id: str | None) -> str | None:
     """The launch id ``LAUNCH_ID_ENV``'s ``value`` names for the agent run ``run_id``, else
     None (unset, malformed, or another launch's) (pure)."""
     run, _, launch = (value or "").rpartition(":")
     return launch if launch and run_id is not None and run == run_id else None
-
-
-def launcher_env(run_id: str) -> str:
-    """``LAUNCHER_ENV``'s value for this process launching the agent run ``run_id``."""
-    return f"{os.getpid()}:{run_id}"
 
 
 def spawned_by(value: str | None, run_id: str | None) -> int | None:
