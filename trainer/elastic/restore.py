@@ -101,10 +101,19 @@ def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> 
     dist.broadcast_object_list(decision, src=0)
     out = decision[0]
     if not out["error"]:  # before this rank writes anything: an acquirer refuses the run dir while it lives (run_lock.py)
+        mine = None
         try:
             hold_for_worker(cfg.run_dir)
         except (RunDirBusy, NoFlock) as e:
-            out = {**out, "error": str(e), "busy": isinstance(e, RunDirBusy)}
+            mine = {"error": str(e), "busy": isinstance(e, RunDirBusy)}
+        except OSError as e:
+            mine = {"error": f"cannot lock run dir {cfg.run_dir} for this worker: {e}", "busy": False}
+        # every rank goes on, or every rank stops with the first rank's error: one rank alone never leaves the rest waiting
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        failed = next((m for m in every if m is not None), None)
+        if failed is not None:
+            out = {**out, **failed}
     if not out["restoring"] and not out["error"]:
         if local_rank() == 0:
             clear_staging(staging_root(cfg))  # an earlier run's staged copy must not come back

@@ -307,6 +307,8 @@ class RunLock:
         """Whether no worker holds ``.lock.workers`` (``LOCK_EX|LOCK_NB``, dropped at once)."""
         try:
             fd = os.open(os.path.join(self.run_dir, WORKERS_LOCK_NAME), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except PermissionError:  # another user's 0644 file (made before it was 0666): a local flock needs no write
+            fd = os.open(os.path.join(self.run_dir, WORKERS_LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             return True  # no worker ever ran here (workers create it)
         try:
@@ -356,7 +358,7 @@ def hold_for_worker(run_dir: str, *, timeout_s: float = WORKER_LOCK_WAIT_S) -> N
         return
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, WORKERS_LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    fd = _open_workers_file(path)
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -410,3 +412,15 @@ def die_with_launcher() -> bool:
     if os.getppid() != launcher:  # it died before the prctl: no signal will come
         os._exit(1)
     return True
+
+
+def _open_workers_file(path: str) -> int:
+    """``.lock.workers`` for flock: made 0666 under the umask (a group-shared run dir stays
+    usable by the group: the file is the lock, it holds nothing), read-only where another user
+    made it without write for us (a local flock needs no write; NFS's emulation does)."""
+    flags = os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        return os.open(path, os.O_RDWR | flags, 0o666)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+

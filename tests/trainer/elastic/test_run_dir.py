@@ -412,3 +412,45 @@ def test_a_sigkilled_run_leaves_its_shm_files_and_the_resume_removes_them(tmp_pa
     assert restores[-1]["source"] == "staged" and restores[-1]["step"] >= 3, restores
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
     assert _leaked(before, run_dir) == []
+
+
+def test_a_rank_that_cannot_hold_the_workers_lock_stops_every_rank_with_its_error(tmp_path, monkeypatch):
+    """agree_start: the ranks' lock outcomes are gathered, so one rank's NoFlock (a node mounted
+    without flock) stops all of them with that line, instead of leaving the rest in a barrier."""
+    import errno
+    import types
+
+    from nereus.trainer.elastic import restore, run_lock
+    from nereus.trainer.prepare import load_config
+    from tests.trainer.elastic.common import TINY_GRPO
+
+    cfg = load_config(TINY_GRPO, [f"run_dir={tmp_path / 'run'}"])
+    monkeypatch.setenv("LOCAL_RANK", "1")  # no staging cleared
+    failing = run_lock.NoFlock(run_lock.no_flock_message(cfg.run_dir, OSError(errno.ENOLCK, "No locks available")))
+    outcomes: dict[int, object] = {}
+
+    def run_as(rank: int, fails: bool):
+        calls: list[str] = []
+
+        def gather(out, mine):
+            outcomes[rank] = mine
+            out[:] = [outcomes.get(r) for r in range(2)]
+
+        def broadcast(d, src):
+            if d[0] is None:
+                d[0] = {"restoring": False, "restart": False, "lineage": "L", "error": None, "busy": False}
+
+        monkeypatch.setattr(restore, "dist", types.SimpleNamespace(get_rank=lambda: rank, get_world_size=lambda: 2, broadcast_object_list=broadcast,
+                                                                   all_gather_object=gather, barrier=lambda: calls.append("barrier")))
+
+        def hold(run_dir, **kw):
+            if fails:
+                raise failing
+
+        monkeypatch.setattr(run_lock, "hold_for_worker", hold)
+        return restore.agree_start(cfg, False, None, None)["error"], calls
+
+    assert run_as(1, True) == (str(failing), [])
+    assert run_as(0, False) == (str(failing), [])  # rank 0's own lock was fine: it stops too, with rank 1's line
+    outcomes.clear()
+    assert run_as(0, False) == (None, ["barrier"])  # every rank fine: it goes on
