@@ -146,9 +146,9 @@ def refilled(cfg: JobConfig, key: str) -> bool:
 
 
 def move_order(cfg: JobConfig, old: PlanConfig, new: PlanConfig, *, groups=None) -> list[str]:
-    """The rebuilt stages of ``old`` → ``new`` in the order the executor moves them: each
-    next the one whose move raises the busiest rank's bytes least (ties: the plan's order),
-    so that stages that shrink go first. Pure and the same on every rank (the model's
+    """The rebuilt stages of ``old`` → ``new`` in the order the executor moves them: the
+    order whose busiest rank holds least while it moves (exact over every order; ties: the
+    plan's order). Pure and the same on every rank (the model's
     resident bytes, not a rank's measured ones). ``groups``: ``memory.distinct_ranks(cfg,
     (old, new))``, if at hand."""
     return _moves(cfg, old, new, groups)[0]
@@ -162,22 +162,35 @@ def transition_peak(cfg: JobConfig, old: PlanConfig, new: PlanConfig, *, groups=
 
 
 def _moves(cfg: JobConfig, old: PlanConfig, new: PlanConfig, groups) -> tuple[list[str], int]:
-    """(``move_order``, ``transition_peak``)."""
+    """(``move_order``, ``transition_peak``): the order whose largest held bytes are least, exact
+    (what a rank holds depends only on the set of stages moved: a min-max over the subsets,
+    at most 2^6 of them; ties: the plan's order first)."""
+    import functools
+
     from .memory import distinct_ranks
 
     rebuilt = rebuilt_stages(old, new)
     ranks = groups if groups is not None else distinct_ranks(cfg, (old, new))
     held = [{m.stage: m.resident for m in h} for (h, _), _ in ranks]  # per rank group: what it holds, in the old layout
     coming = [{m.stage: m.resident for m in c} for (_, c), _ in ranks]
-    current = [sum(h.values()) for h in held]
-    peak, order, left = max(current, default=0), [], list(rebuilt)
-    while left:
-        def during(key: str) -> list[int]:  # every group's bytes while ``key`` moves
-            freed_first = refilled(cfg, key) and key in old.stages()
-            return [c + new_k.get(key, 0) - (h.get(key, 0) if freed_first else 0) for c, h, new_k in zip(current, held, coming)]
-        key = min(left, key=lambda k: (max(during(k), default=0), left.index(k)))
-        peak = max([peak, *during(key)])
-        current = [c + n.get(key, 0) - h.get(key, 0) for c, h, n in zip(current, held, coming)]
-        order.append(key)
-        left.remove(key)
-    return order, peak
+    base = [sum(h.values()) for h in held]
+    first = [key in old.stages() and refilled(cfg, key) for key in rebuilt]  # freed before its new copy is built
+
+    @functools.cache
+    def best(moved: int) -> tuple[int, tuple[int, ...]]:  # (peak from here, the order of the rest); moved: a bit set
+        if moved == (1 << len(rebuilt)) - 1:
+            return 0, ()
+        now = [b + sum(n.get(k, 0) - h.get(k, 0) for j, k in enumerate(rebuilt) if moved >> j & 1) for b, h, n in zip(base, held, coming)]
+        out = None
+        for j, key in enumerate(rebuilt):
+            if moved >> j & 1:
+                continue
+            during = max((c + n.get(key, 0) - (h.get(key, 0) if first[j] else 0) for c, h, n in zip(now, held, coming)), default=0)
+            rest, order = best(moved | 1 << j)
+            option = (max(during, rest), (j, *order))
+            if out is None or option[0] < out[0]:
+                out = option
+        return out
+
+    peak, order = best(0)
+    return [rebuilt[j] for j in order], max(peak, max(base, default=0))

@@ -3,7 +3,7 @@
 Rank 0 holds the live ``Controller`` (``trainer/controller/online.py``): after every step it
 observes the step's metrics and the measured reshard messages, and decides. Its decision is
 broadcast; an admitted plan is applied by every rank together (``Trainer.apply_plan``, stage
-by stage, each stage all or nothing), and the outcome is agreed over the world before the
+by stage, all or nothing), and the outcome is agreed over the world before the
 controller and the job record hear of it. A controller failure never stops the job: the plan stays.
 """
 
@@ -75,7 +75,7 @@ class JobControl:
                     f"plan transition at step {metrics['step']} timed out: {e}. The process group cannot be reused: restart "
                     "the workers (torchrun restarts them; nereus train --resume continues from the last checkpoint)"
                 ) from e
-            except Exception as e:  # noqa: BLE001 - the plan in effect keeps running (each stage moved whole or not at all)
+            except Exception as e:  # noqa: BLE001 - the old plan keeps running (apply_plan is all or nothing)
                 done = {"error": f"{type(e).__name__}: {e}", "plan": config_to_dict(trainer.cfg.plan)}
             # every rank runs this, failed or not: (failed, committed, peak) over the world
             agreed = torch.tensor([float("error" in done), float("error" not in done), float(done.get("peak_bytes", 0))])

@@ -87,13 +87,15 @@ def apply_plan(trainer, plan, *, verify: bool = False) -> dict:
     (``actor.gen``, ``critic.infer`` of the built-in engine) is released first and rebuilt
     empty: the weight sync refills it, re-planned and run at the end.
 
-    Each stage commits on its own: a rank that fails to build its part tells the others (one
-    all-reduce before that stage's state moves); every rank then keeps that stage and the
-    rest in their old layout (a refilled copy is rebuilt in its old layout), the stages
-    already moved stay moved — the job runs the mixed plan, each stage whole in one layout —
-    and a RuntimeError naming the stage is raised. With ``verify`` each moved stage's state
-    is gathered on rank 0 and compared with the old, element for element, before the old is
-    released (a mismatch refuses that stage the same way).
+    All or nothing: a rank that fails to build its part of a stage tells the others (one
+    all-reduce before that stage's state moves); every rank then keeps that stage in its old
+    layout (a refilled copy is rebuilt in it), moves the stages already moved back, newest
+    first (each step back holds what the matching step forward held), and raises
+    ``TransitionRefused`` naming the stage: the old plan runs on, its state exact. A stage
+    that cannot move back stops the job (RuntimeError; ``--resume``). With ``verify`` each
+    moved stage's state is gathered on rank 0 and compared with the old, element for element,
+    before the old is released (a mismatch refuses that stage the same way). Any other error
+    (a reshard past its deadline, a peer gone) runs no further collective.
     Returns ``{"stages": [...], "rebuilt": [...], "bytes": cross-rank bytes, "seconds": s,
     "verified": n, "peak_bytes": b}`` (``rebuilt``: the stages built anew, in the order
     moved; ``verified``: tensors compared, 0 without ``verify``; ``peak_bytes``: this rank's
@@ -115,24 +117,41 @@ def apply_plan(trainer, plan, *, verify: bool = False) -> dict:
     if trainer.device.type == "cpu":
         trim_heap()  # the peak below is the move's own
     moved, verified, done = 0, 0, []
+    old_plan = trainer.cfg.plan
     trainer.syncs = []  # they hold the old stages: re-planned below
+
+    def settle() -> None:  # every stage whole in one layout on every rank: the syncs, the refilled copies' weights
+        trainer.syncs = plan_syncs(trainer.stages)
+        for sync in trainer.syncs:
+            if sync.dst.key in order and refilled(trainer.cfg, sync.dst.key):
+                trainer.messages.extend(measured_messages(sync()))
+        release_groups(stage_group_ranks(trainer.stages))
+
     try:
         with trainer.meter("transition"):
             for key in order:
                 nbytes, count = _move_stage(trainer, target, key, verify)
                 moved, verified = moved + nbytes, verified + count
                 done.append(key)
-    finally:
+    except TransitionRefused as refused:  # agreed on every rank: the moved stages go back, newest first
+        try:
+            for key in reversed(done):  # each step back holds what the matching step forward held
+                _move_stage(trainer, old_plan, key, False)
+        except TransitionRefused as e:
+            raise RuntimeError(f"{refused}; moving {key} back failed too ({e}): the job stops, --resume restarts it "
+                               "from the last staged or durable step") from e
+        settle()
+        raise
+    finally:  # any other error (a reshard timeout, a peer gone) runs no collective: it propagates as it is
         trainer.meter.seconds.pop("transition", None)
         peak = trainer.meter.peaks.pop("transition", 0)
-        # a collective that failed mid-stage (a peer gone) leaves a refilled copy unbuilt: the job cannot go on, the error stands
-        trainer.syncs = plan_syncs(trainer.stages) if all(k in trainer.stages for k in trainer.cfg.plan.stages()) else []
-        for sync in trainer.syncs:  # the refilled copies (moved or rebuilt after a refusal) get their weights now
-            if sync.dst.key in order and refilled(trainer.cfg, sync.dst.key):
-                trainer.messages.extend(measured_messages(sync()))
-        release_groups(stage_group_ranks(trainer.stages))
+    settle()
     return {"stages": done + retuned, "rebuilt": done, "bytes": moved, "seconds": time.perf_counter() - t0,
             "verified": verified, "peak_bytes": peak}
+
+
+class TransitionRefused(RuntimeError):
+    """A stage of a transition refused on every rank together, before its state moved."""
 
 
 def _with_stages(plan, target, keys):
@@ -151,6 +170,8 @@ def _move_stage(trainer, target, key: str, verify: bool) -> tuple[int, int]:
     ranks, tensors verified). On a refusal every rank keeps ``key`` in its old layout
     and raises."""
     from ..controller.transition import refilled
+    from ..parallel.groups import release_groups
+    from .stages import stage_group_ranks
 
     new_cfg = replace(trainer.cfg, plan=_with_stages(trainer.cfg.plan, target, [key]))
     old = trainer.stages.get(key)
@@ -172,21 +193,34 @@ def _move_stage(trainer, target, key: str, verify: bool) -> tuple[int, int]:
     dist.all_reduce(flag)
     if flag.item():
         fresh = None
-        if refill:  # back in the layout it had (the sync refills it)
-            trainer.stages[key] = build_stages(trainer.cfg, trainer.rank, trainer.device, keys=[key])[key]
-        raise RuntimeError(f"plan transition refused at {key} before its state moved: {error or 'another rank failed to build'}")
+        if refill:  # back in the layout it had (the sync refills it); a rank that cannot tells the others
+            back = None
+            try:
+                trainer.stages[key] = build_stages(trainer.cfg, trainer.rank, trainer.device, keys=[key])[key]
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                back = f"rank {trainer.rank}: {type(e).__name__}: {e}"
+            again = torch.tensor([0.0 if back is None else 1.0])
+            dist.all_reduce(again)
+            if again.item():
+                raise RuntimeError(f"plan transition refused at {key} ({error or 'another rank failed to build'}), and its old "
+                                   f"copy could not be rebuilt ({back or 'on another rank'}): the job stops, --resume restarts it")
+        raise TransitionRefused(f"plan transition refused at {key} before its state moved: {error or 'another rank failed to build'}")
     nbytes = 0
     if transfers is not None:  # reshard's agreement fails every rank together, within its deadline
         nbytes = sum(t.nbytes for t in transfers.transfers if t.src_rank != t.dst_rank)
         result = execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=trainer.rank,
                          dst_buffers=fresh.buffers() if fresh.member else {})
         trainer.messages.extend(measured_messages(result))
-    count = _verify_moved(trainer, [key], {key: fresh}) if verify and transfers is not None else 0
+    try:
+        count = _verify_moved(trainer, [key], {key: fresh}) if verify and transfers is not None else 0
+    except RuntimeError as e:  # agreed on rank 0's verdict: every rank refuses this stage
+        raise TransitionRefused(str(e)) from e
     if key.endswith(".train"):  # AdamW's step moved with its state: the schedule continues from it
         trainer.attach_schedule(key, fresh)
     trainer.stages[key] = fresh  # the old stage is released here
     trainer.cfg = new_cfg
     old = None
+    release_groups(stage_group_ranks(trainer.stages))  # the old layout's groups go with it (the same set on every rank)
     release_freed_memory(trainer.device)
     return nbytes, count
 

@@ -1,7 +1,7 @@
 """A plan transition inside a running job: the state after it equals the state before, element
 for element (a weight-synced copy: its training stage's weights); it moves stage by stage, its
 measured peak within the controller's prediction; a stage that fails to build on one rank stays
-in its old layout on every rank, the stages moved before it moved, and the job runs on."""
+in its old layout on every rank, the stages moved before it move back, and the job runs on."""
 
 from __future__ import annotations
 
@@ -140,15 +140,13 @@ def test_every_parameter_and_adamw_tensor_survives_a_transition_exactly(tmp_path
 @pytest.mark.timeout(300)
 def test_a_transition_that_fails_on_one_rank_leaves_the_old_plan_running(tmp_path):
     results = run_distributed(_transition, 4, str(tmp_path), 2, timeout=240)
-    first_train = next(k for k in ("actor.train", "critic.train", "ref.infer") if k.endswith(".train"))
     for rank, r in enumerate(results):
-        assert r["error"] is not None and f"refused at {first_train} before its state moved" in r["error"], (rank, r["error"])
-        assert r["plan"] == results[0]["plan"], rank  # every rank in the same plan
+        assert r["error"] is not None and "refused at actor.train before its state moved" in r["error"], (rank, r["error"])
+        assert r["plan_kept"] and all(r["plan"].values()), rank  # the stages moved before it moved back: the old plan
     assert "rank 2: MemoryError: no room for the new AdamW state" in results[2]["error"]
-    kept = results[0]["plan"]
-    assert kept["actor.train"] and not kept["actor.gen"] and not kept["critic.infer"]  # moved before it: moved
+    assert results[0]["order"].index("actor.train") > 0  # something moved before it, and came back
     before, after = results[0]["before"], results[0]["after"]
-    for key in before:  # every tensor exact, whichever layout its stage is in
+    for key in before:  # every tensor exact
         if key.startswith(("actor.gen/", "critic.infer/")):
             continue
         assert np.array_equal(before[key], after[key]), key
@@ -158,9 +156,8 @@ def test_a_transition_that_fails_on_one_rank_leaves_the_old_plan_running(tmp_pat
 
 def test_a_move_is_priced_stage_by_stage_in_the_order_that_holds_least():
     """``transition_peak``: per rank, the old state of the stages not moved yet, the new of those
-    moved, the moving one in both (a refilled copy freed first) — brute force over every order
-    gives no lower peak than ``move_order``'s by more than its greedy choice allows, and never below
-    max(old, new); holding both plans whole is the old rule's upper bound."""
+    moved, the moving one in both (a refilled copy freed first) — the least over every order (brute
+    force), never below max(old, new), below holding both plans whole (the old rule)."""
     import itertools
 
     from nereus.trainer.config import StageConfig
@@ -191,7 +188,7 @@ def test_a_move_is_priced_stage_by_stage_in_the_order_that_holds_least():
     assert sorted(order) == sorted(new.stages())
     assert transition_peak(cfg, p, new) == peak_of(order)
     orders = [peak_of(o) for o in itertools.permutations(order)]
-    assert min(orders) <= transition_peak(cfg, p, new) <= max(orders)
+    assert transition_peak(cfg, p, new) == min(orders) < max(orders)  # the least of every order, and the order matters
     both = max(sum(m.resident for m in h) + sum(m.resident for m in c) for (h, c), _ in groups)
     floor = max(max(sum(m.resident for m in h), sum(m.resident for m in c)) for (h, c), _ in groups)
     assert floor <= transition_peak(cfg, p, new) < both
