@@ -77,6 +77,7 @@ import numpy as np
 from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
 from ..controller.online import plan_key
 from ..controller.search import search, stage_candidates
+from ..controller.transition import move_order
 from ..controller.workload import Workload
 from .inputs import SimulateError
 from .traces import TraceStep
@@ -195,6 +196,7 @@ class Table:
     feasible: np.ndarray = None
     scaled: list[dict] = field(default_factory=list)  # per template: devices → its JobConfig there (None: none)
     _moves: dict = field(default_factory=dict)
+    _fits: dict = field(default_factory=dict)
     restart_seconds: float = 0.0  # a failed step's restart (the job's world.restart_seconds)
     name: str = "trace"  # the trace's name, in errors
 
@@ -301,17 +303,34 @@ class Table:
                 self._moves[key] = self.exact.transition(big, explicit(x.plan, x.nproc), explicit(y.plan, y.nproc), step)[0]
         return self._moves[key]
 
+    def fits(self, i: int, j: int, a: int, b: int) -> bool:
+        """Whether the world's memory holds the live move, stage by stage in the executor's order
+        (``World.move_fits``, ``controller.transition.move_order``), as the loop's moves are checked."""
+        key = (i, j, a, b)
+        if key not in self._fits:
+            x, y = self.scaled[i].get(a), self.scaled[j].get(b)
+            if x is None or y is None:
+                self._fits[key] = False
+            else:
+                on = x if x.nproc == y.nproc else dataclasses.replace(x, nproc=max(x.nproc, y.nproc))
+                old, new = (x.plan, y.plan) if x.nproc == y.nproc else (explicit(x.plan, x.nproc), explicit(y.plan, y.nproc))
+                self._fits[key] = bool(self.exact.move_fits(on, old, new, move_order(on, old, new)))
+        return self._fits[key]
+
     def move(self, i: int, j: int, a: int, b: int, step: int = 0) -> float:
-        """A move's seconds: the cheaper of the world's live move and a restart into the new plan
-        (``restart_seconds``, ``nereus resume``'s path; inf where either plan has no replica)."""
+        """A move's seconds: the cheaper of the world's live move (where the memory holds it) and a
+        restart into the new plan (``restart_seconds``, ``nereus resume``'s path, at max(old, new);
+        inf where either plan has no replica)."""
         t = self.transition(i, j, a, b, step)
-        return t if t == 0.0 or not math.isfinite(t) else min(t, self.restart_seconds)
+        if t == 0.0 or not math.isfinite(t):
+            return t
+        return min(t, self.restart_seconds) if self.fits(i, j, a, b) else self.restart_seconds
 
     def move_kind(self, i: int, j: int, a: int, b: int, step: int = 0) -> str:
-        """How ``move`` goes: ``restart`` (cheaper than the live move), ``world`` (the devices
-        change) or ``transition``."""
+        """How ``move`` goes: ``restart`` (cheaper than the live move, or the live move does not
+        fit the memory), ``world`` (the devices change) or ``transition``."""
         t = self.transition(i, j, a, b, step)
-        if math.isfinite(t) and self.restart_seconds < t:
+        if math.isfinite(t) and t > 0.0 and (self.restart_seconds < t or not self.fits(i, j, a, b)):
             return "restart"
         x, y = self.scaled[i].get(a), self.scaled[j].get(b)
         return "world" if x is not None and y is not None and x.nproc != y.nproc else "transition"

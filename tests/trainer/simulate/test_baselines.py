@@ -116,6 +116,9 @@ class _Table(B.Table):
     def transition(self, i, j, a, b, step=0):
         return 0.0 if (i == j and a == b) else self._given[(i, j, a, b)]
 
+    def fits(self, i, j, a, b):  # every live move within the memory (the world's check: test_a_live_move_over_the_memory_...)
+        return True
+
 
 def _pure(seed=0):
     rng = np.random.default_rng(seed)
@@ -203,3 +206,21 @@ def test_the_move_cache_keys_on_the_step_in_a_noisy_world(tiny):
     x, y = t.templates
     seconds = [t.move(0, 1, 16, 16, s) for s in (1, 2, 3)]
     assert seconds == [noisy.transition(x, x.plan, y.plan, s)[0] for s in (1, 2, 3)] and len(set(seconds)) == 3
+
+
+def test_a_live_move_over_the_worlds_memory_is_priced_as_a_restart(tiny):
+    """A table move the world's memory cannot hold stage by stage (``World.move_fits``) costs a
+    restart, as the loop's moves are checked, however cheap its transfer."""
+    exact, trace, table = tiny
+    pairs = [(i, j, a) for i in range(len(table.scaled)) for j in range(len(table.scaled)) if i != j
+             for a in table.scaled[i] if a in table.scaled[j]]
+    live = [(i, j, a) for i, j, a in pairs if table.fits(i, j, a, a) and 0 < table.transition(i, j, a, a) < table.restart_seconds]
+    assert live  # some moves of the 8B pool on 16 devices fit and cost less than a restart
+    i, j, a = live[0]
+    assert table.move(i, j, a, a) == table.transition(i, j, a, a) and table.move_kind(i, j, a, a) == "transition"
+    table._fits[(i, j, a, a)] = False  # as the world answers where a rank cannot hold the move
+    try:
+        assert table.move(i, j, a, a) == table.restart_seconds and table.move_kind(i, j, a, a) == "restart"
+    finally:
+        table._fits[(i, j, a, a)] = True
+
