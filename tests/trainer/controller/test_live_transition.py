@@ -6,7 +6,9 @@ in its old layout on every rank, the stages moved before it move back, and the j
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -62,10 +64,22 @@ def _transition(rank: int, world: int, run_dir: str, fail_on: int | None) -> dic
             raise MemoryError("no room for the new AdamW state")
 
         transition.make_optimizer = broken
+    # each old stage is released once it moved (before the next one is built): weak references to its parameters
+    refs = {k: [weakref.ref(p) for p in st.part.module.parameters()] for k, st in trainer.stages.items() if st.part is not None}
+    alive_at, real_move = [], transition._move_stage
+
+    def spy(tr, target, key, verify):
+        gc.collect()
+        alive_at.append((key, {k: sum(r() is not None for r in v) for k, v in refs.items()}))
+        return real_move(tr, target, key, verify)
+
+    transition._move_stage = spy
     try:
         done = trainer.apply_plan(_new_plan(cfg))
     except RuntimeError as e:
         error, done = str(e), None
+    finally:
+        transition._move_stage = real_move
     if fail_on is not None and rank == fail_on:
         transition.make_optimizer = real
     after = _state(trainer, rank)
@@ -86,7 +100,7 @@ def _transition(rank: int, world: int, run_dir: str, fail_on: int | None) -> dic
     return {
         "before": before if rank == 0 else None, "after": after if rank == 0 else None, "error": error, "done": done,
         "plan_kept": plan_kept, "loss": metrics["actor/loss"], "back": back, "predicted": predicted,
-        "order": move_order(cfg, cfg.plan, _new_plan(cfg)),
+        "order": move_order(cfg, cfg.plan, _new_plan(cfg)), "alive_at": alive_at,
         "plan": {k: sc == old_plan.stages()[k] for k, sc in trainer.cfg.plan.stages().items()},
     }
 
@@ -119,6 +133,11 @@ def test_every_parameter_and_adamw_tensor_survives_a_transition_exactly(tmp_path
     assert r["error"] is None and not r["plan_kept"]
     assert sorted(r["done"]["stages"]) == ["actor.gen", "actor.train", "critic.infer", "critic.train", "ref.infer"]
     assert r["done"]["rebuilt"] == r["order"]  # the executor moves in the order the controller prices
+    for other in results:  # as each stage starts to move, no parameter of a stage moved before it is alive
+        assert [key for key, _ in other["alive_at"]] == r["order"]
+        for i, (key, alive) in enumerate(other["alive_at"]):
+            assert key == r["order"][i] and all(alive[k] == 0 for k in r["order"][:i] if k in alive), (key, alive)
+            assert all(alive[k] > 0 for k in r["order"][i:] if k in alive), (key, alive)  # the rest still held
     before, after = r["before"], r["after"]
     trained = [k for k in before if k.startswith(("actor.train/", "critic.train/"))]
     assert any("/optim/exp_avg/" in k for k in trained) and set(after) == set(before)
