@@ -6,6 +6,7 @@
 - ``policies`` the loop's: adaptive (the live ``Controller``), controller_greedy
 - ``baselines`` in hindsight on the world: best_static, initial_fixed, oracle (Viterbi), greedy
 - ``calibration`` the controller's calibrated error on unseen plans
+- ``replay``   a real run's measured pieces replayed against the world's (``live_error``)
 - ``run``      every policy through one trace in one world
 - ``outputs``  Markdown and JSON summaries, PNG plots
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 from nereus.trainer.config import JobConfig, StageConfig
+from nereus.trainer.config.names import ACTOR_GEN, SYNCED
 
 from .links import stage_ranks
 from .shapes import Lengths, ModelShape
@@ -169,7 +170,7 @@ def group_peaks(cfg: JobConfig, lengths: Lengths, *, slack: Callable[[str], floa
     return out, inverse
 
 
-SYNCED_COPIES = ("actor.gen", "critic.infer")  # refilled by their training stage's weight sync, not moved
+SYNCED_COPIES = tuple(SYNCED)  # refilled by their training stage's weight sync, not moved
 
 
 def move_peak(cfg: JobConfig, old, new, order: list[str], *, slack: Callable[[str], float], reserved: float,
@@ -197,7 +198,7 @@ def move_peak(cfg: JobConfig, old, new, order: list[str], *, slack: Callable[[st
     current = sum(held.values(), np.zeros(n))
     peak = current.copy()
     for k in order:
-        freed = held.get(k, 0) if k in SYNCED_COPIES and not (k == "actor.gen" and cfg.rollout.engine == "vllm") else 0
+        freed = held.get(k, 0) if k in SYNCED_COPIES and not (k == ACTOR_GEN and cfg.rollout.engine == "vllm") else 0
         peak = np.maximum(peak, current - freed + coming[k])
         current = current - held.get(k, 0) + coming[k]
     return float(((peak + workspace) * (1 + worst) + reserved).max())

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from nereus.trainer.config import JobConfig, PlanConfig, StageConfig
+from nereus.trainer.config.names import SYNCED
 
 from . import memory, noise
 from .generate import gen_seconds
@@ -43,8 +44,6 @@ from .params import WorldParams, load_world_params
 from .shapes import Lengths, ModelShape, Work, job_work
 from .stages import Stage, infer_seconds, train_seconds
 
-SYNCED = {"actor.gen": "actor.train", "critic.infer": "critic.train"}
-"""A weight sync's destination ← source, every step."""
 RETUNED = {"micro_batch_size": None, "micro_batch_tokens": None, "recompute": "none"}
 """Stage fields changed in place (no state moves, no rebuild)."""
 CACHE = 50_000
