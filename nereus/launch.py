@@ -263,6 +263,7 @@ def stale_semaphores(tag: str, shm: str = SHM) -> list[str]:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

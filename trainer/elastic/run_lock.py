@@ -78,7 +78,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nereus.launch import LAUNCH_ID_ENV, LAUNCHER_ENV, launcher_env  # noqa: F401 - the launcher's names, read here
+from nereus.launch import LAUNCH_ID_ENV, LAUNCHER_ENV, launcher_env, pid_alive  # noqa: F401 - the launcher's names, read here
 
 LOCK_NAME = ".lock"
 WORKERS_LOCK_NAME = ".lock.workers"
@@ -200,16 +200,6 @@ def stale_message(run_dir: str, holder: Holder | None, *, alive: bool | None, jo
     else:
         why = "that process has exited"
     return f"nereus: took over the stale lock of run dir {run_dir} ({who}): {why}, and none of its workers holds the run dir"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunLock:

@@ -190,11 +190,12 @@ def move_peak(cfg: JobConfig, old, new, order: list[str], *, slack: Callable[[st
         return out
 
     held = {k: per_rank(k, sc) for k, sc in a.items()}
-    coming = {k: per_rank(k, b[k]) for k in order}
+    placed = {k: per_rank(k, sc) for k, sc in b.items()}
+    coming = {k: placed[k] for k in order}
     worst = np.zeros(n)
-    for plan in (a, b):
+    for plan, bytes_of in ((a, held), (b, placed)):
         for k, sc in plan.items():
-            worst = np.where(per_rank(k, sc) > 0, np.maximum(worst, slack(layout_class(k, sc))), worst)
+            worst = np.where(bytes_of[k] > 0, np.maximum(worst, slack(layout_class(k, sc))), worst)
     current = sum(held.values(), np.zeros(n))
     peak = current.copy()
     for k in order:
