@@ -415,9 +415,8 @@ class Controller:
         pending, self.pending = self.pending or {"stages": 0, "movement_s": 0.0}, None
         if "error" in done:
             self.left.pop(plan_key_of(decision.old_plan), None)
-            running = done.get("plan")  # the stages moved before the refusal stay moved (``runtime/transition.apply_plan``)
-            self._log("transitions.jsonl", {"kind": "failed", "step": decision.step, "error": done["error"], "new_plan": decision.new_plan,
-                                            "running": "the old plan, its state intact" if running in (None, decision.old_plan) else running})
+            self._log("transitions.jsonl", {"kind": "failed", "step": decision.step, "error": done["error"],
+                                            "new_plan": decision.new_plan, "running": "the old plan, its state intact"})
             return
         self.transition_samples.append((done["seconds"], pending["stages"], pending["movement_s"]))
         if self.settings.calibrate:

@@ -62,9 +62,10 @@ class JobControl:
         if message[0] is not None:
             from nereus.reshard.errors import TransitionTimeout
 
-            from ..config import PlanConfig, build_tree, config_to_dict
+            from ..config import PlanConfig, build_tree
 
             from ..elastic.phases import mark
+            from .transition import TransitionRefused
 
             mark("transition", "start", trainer.step, trainer.rank)  # NEREUS_PHASE_LOG only (tools/bench_faults.py)
             try:
@@ -75,11 +76,19 @@ class JobControl:
                     f"plan transition at step {metrics['step']} timed out: {e}. The process group cannot be reused: restart "
                     "the workers (torchrun restarts them; nereus train --resume continues from the last checkpoint)"
                 ) from e
-            except Exception as e:  # noqa: BLE001 - the old plan keeps running (apply_plan is all or nothing)
-                done = {"error": f"{type(e).__name__}: {e}", "plan": config_to_dict(trainer.cfg.plan)}
-            # every rank runs this, failed or not: (failed, committed, peak) over the world
-            agreed = torch.tensor([float("error" in done), float("error" not in done), float(done.get("peak_bytes", 0))])
+            except TransitionRefused as e:  # the old plan keeps running, its state exact (apply_plan is all or nothing)
+                done = {"error": f"{type(e).__name__}: {e}"}
+            except Exception as e:  # noqa: BLE001 - failed part-way (a reshard error, a stage that could not move back): agreed below
+                done = {"error": f"{type(e).__name__}: {e}", "broken": True}
+            # every rank runs this, failed or not: (failed, committed, peak, broken) over the world
+            agreed = torch.tensor([float("error" in done), float("error" not in done), float(done.get("peak_bytes", 0)),
+                                   float(done.get("broken", False))])
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            if agreed[3].item():
+                raise RuntimeError(
+                    f"plan transition at step {metrics['step']} failed part-way ({done.get('error', 'on another rank')}): "
+                    "the job stops; --resume restarts from the last staged or durable step"
+                )
             if agreed[0].item() and agreed[1].item():
                 raise RuntimeError(
                     f"plan transition at step {metrics['step']} committed on some ranks and failed on others "

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.reshard.arrays import arrays_from_plan
+from nereus.reshard.errors import CoverageError, ProcessGroupError, TransferError, TransitionTimeout
 from nereus.reshard.execute import execute
 from nereus.reshard.graph import plan_graph
 from nereus.reshard.plan import plan_transfers
@@ -54,8 +55,6 @@ class WeightSync:
         A reshard past its deadline leaves the process group unusable (ops may be pending:
         ``reshard.errors.TransitionTimeout``); that is raised as a RuntimeError telling the
         job to restart its workers on a fresh group, never retried on the broken one."""
-        from nereus.reshard.errors import TransitionTimeout
-
         rank, src, dst = dist.get_rank(), self.src.param_buffers(), self.dst.param_buffers()
         on_host = all(t.device.type == "cpu" for t in (*src.values(), *dst.values()))
         try:
@@ -94,8 +93,9 @@ def apply_plan(trainer, plan, *, verify: bool = False) -> dict:
     ``TransitionRefused`` naming the stage: the old plan runs on, its state exact. A stage
     that cannot move back stops the job (RuntimeError; ``--resume``). With ``verify`` each
     moved stage's state is gathered on rank 0 and compared with the old, element for element,
-    before the old is released (a mismatch refuses that stage the same way). Any other error
-    (a reshard past its deadline, a peer gone) runs no further collective.
+    before the old is released (a mismatch, or a reshard error raised on every rank together,
+    refuses that stage the same way). Any other error (a reshard past its deadline, a peer
+    gone) runs no further collective: ``JobControl`` stops the job.
     Returns ``{"stages": [...], "rebuilt": [...], "bytes": cross-rank bytes, "seconds": s,
     "verified": n, "peak_bytes": b}`` (``rebuilt``: the stages built anew, in the order
     moved; ``verified``: tensors compared, 0 without ``verify``; ``peak_bytes``: this rank's
@@ -208,8 +208,13 @@ def _move_stage(trainer, target, key: str, verify: bool) -> tuple[int, int]:
     nbytes = 0
     if transfers is not None:  # reshard's agreement fails every rank together, within its deadline
         nbytes = sum(t.nbytes for t in transfers.transfers if t.src_rank != t.dst_rank)
-        result = execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=trainer.rank,
-                         dst_buffers=fresh.buffers() if fresh.member else {})
+        try:
+            result = execute(transfers, plan_graph(arrays_from_plan(transfers)), old.buffers() if old.member else {}, rank=trainer.rank,
+                             dst_buffers=fresh.buffers() if fresh.member else {})
+        except TransitionTimeout:
+            raise
+        except (ProcessGroupError, TransferError, CoverageError) as e:  # raised on every rank together (reshard.execute)
+            raise TransitionRefused(f"plan transition refused at {key}: its state did not move ({type(e).__name__}: {e})") from e
         trainer.messages.extend(measured_messages(result))
     try:
         count = _verify_moved(trainer, [key], {key: fresh}) if verify and transfers is not None else 0
