@@ -20,7 +20,7 @@ import yaml
 
 from nereus.reshard.errors import LayoutError
 
-from .config import ConfigError, DataConfig, JobConfig, RolloutConfig, apply_overrides, build_tree, check_config, decoder_spec
+from .config import HYPERPARAMETERS, ConfigError, DataConfig, JobConfig, RolloutConfig, apply_overrides, build_tree, check_config, decoder_spec
 from .config.loader import YamlLoader
 from .controller.memory import check_memory
 from .controller.profiles import ProfileError, load_profile
@@ -168,8 +168,11 @@ def _seed_plan(data: Mapping) -> dict:
     """A one-rank plan of the model-stages a job needs: only so that ``plan: auto`` jobs
     build and validate before the search replaces it."""
     one = {"ranks": [0]}
-    algorithm = data.get("algorithm", "ppo")
-    hp = data.get(algorithm) or {}
+    name = data.get("algorithm", "ppo")
+    section = HYPERPARAMETERS.get(name) if isinstance(name, str) else None  # None: the loader names the bad algorithm
+    default = section().kl_coef if section is not None else 0.0
+    given = data.get(name) if section is not None else None
+    kl_coef = given.get("kl_coef", default) if isinstance(given, Mapping) else default
     rollout = {**dataclasses.asdict(RolloutConfig()), **(data.get("rollout") or {})}
     gen = one
     if rollout["engine"] == "vllm":  # vLLM runs on every rank, its replicas splitting the rows
@@ -178,9 +181,9 @@ def _seed_plan(data: Mapping) -> dict:
             tp *= 2
         gen = {"dp": n // tp, "tp": tp, "fused": True}
     plan: dict = {"actor": {"train": one, "gen": gen}}
-    if algorithm == "ppo":
+    if section is not None and section.critic:
         plan["critic"] = {"train": one}
-    if hp.get("kl_coef", 0.01) > 0:
+    if isinstance(kl_coef, (int, float)) and kl_coef > 0:
         plan["ref"] = {"infer": one}
     if data.get("reward_model") is not None:
         plan["reward"] = {"infer": one}

@@ -5,8 +5,8 @@ The step (``trainer/runtime/step.py``) asks the job's algorithm what it needs, n
 
 - ``critic``: whether it trains a value model. Inference then computes the old values (from
   ``critic.infer``, or ``critic.train`` in its training layout), and the plan needs
-  ``critic.train`` (``config/checks.py`` reads the same fact from the hyperparameter
-  section's ``critic``);
+  ``critic.train``. It is the hyperparameter section's ``critic`` (``config/schema.py``'s
+  ``HYPERPARAMETERS``), which the config checks and the planners read;
 - ``advantages(cfg, batch, scores)``: writes ``batch["advantages"]`` (and ``"returns"``) from
   the step's rewards and returns its metrics;
 - ``models(cfg)``: the models one mini-batch trains, in order, each with its loss, either of
@@ -14,8 +14,9 @@ The step (``trainer/runtime/step.py``) asks the job's algorithm what it needs, n
   its gradient clip. The runtime computes log-probs and values from its sharded logits
   (``parallel/vocab_parallel.py``), so the losses here never see a layout.
 
-A new algorithm is a class here and its hyperparameter section in ``config/schema.py``.
-"""
+A new algorithm is a class here and its hyperparameter section in ``config/schema.py``
+(listed in ``HYPERPARAMETERS`` and in ``JobConfig.algorithm``'s names; a test checks the three
+agree). Nothing else in ``trainer/`` names an algorithm: it reads ``cfg.algo_hp``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 
 from . import grpo, ppo
 from ..config.names import ACTOR_TRAIN, CRITIC_TRAIN
+from ..config import GRPOConfig, PPOConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,7 +50,7 @@ class PPO:
     """GAE advantages over KL-penalised token rewards; a clipped policy and a clipped critic."""
 
     name = "ppo"
-    critic = True
+    critic = PPOConfig.critic
 
     def advantages(self, cfg, batch: dict, scores: torch.Tensor) -> dict[str, float]:
         hp = cfg.ppo
@@ -75,7 +77,7 @@ class GRPO:
     """Group-relative advantages, PPO's clipped surrogate with the k3 KL as a loss term, no critic."""
 
     name = "grpo"
-    critic = False
+    critic = GRPOConfig.critic
 
     def advantages(self, cfg, batch: dict, scores: torch.Tensor) -> dict[str, float]:
         hp = cfg.grpo

@@ -16,12 +16,14 @@ from .loader import YamlLoader, apply_overrides, build_tree, config_to_dict
 from .schema import (
     MIN_COLLECTIVE_TIMEOUT_S,
     ActorPlan,
+    Algorithm,
     ConfigError,
     ControllerConfig,
     CriticPlan,
     DataConfig,
     ElasticConfig,
     GRPOConfig,
+    HYPERPARAMETERS,
     InferPlan,
     JobConfig,
     LoggingConfig,
@@ -42,8 +44,8 @@ from .schema import (
 )
 
 __all__ = [
-    "MIN_COLLECTIVE_TIMEOUT_S", "ActorPlan", "ConfigError", "ControllerConfig", "CriticPlan", "DataConfig", "ElasticConfig",
-    "GRPOConfig", "InferPlan", "JobConfig", "LRScheduleConfig", "LoggingConfig", "ModelConfig", "PPOConfig", "PlanConfig",
+    "MIN_COLLECTIVE_TIMEOUT_S", "ActorPlan", "Algorithm", "ConfigError", "ControllerConfig", "CriticPlan", "DataConfig", "ElasticConfig",
+    "GRPOConfig", "HYPERPARAMETERS", "InferPlan", "JobConfig", "LRScheduleConfig", "LoggingConfig", "ModelConfig", "PPOConfig", "PlanConfig",
     "RewardConfig", "RolloutConfig", "RopeScalingConfig", "StageConfig", "TaskConfig", "TokenizerConfig", "ValidationConfig",
     "YamlLoader", "apply_overrides", "build_tree", "check_config", "config_to_dict", "decoder_spec", "lr_schedules",
     "warmup_from_ratio",

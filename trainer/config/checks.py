@@ -26,7 +26,7 @@ from nereus.reshard.derive import check_tp, plan_layer_ranges
 from nereus.reshard.errors import LayoutError
 
 from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, MODEL_STAGES, REF_INFER, REWARD_INFER
-from .schema import MIN_COLLECTIVE_TIMEOUT_S, ConfigError, JobConfig, StageConfig, decoder_spec, lr_schedules, warmup_from_ratio
+from .schema import HYPERPARAMETERS, MIN_COLLECTIVE_TIMEOUT_S, ConfigError, JobConfig, StageConfig, decoder_spec, lr_schedules, warmup_from_ratio
 
 
 class TaskShape(Protocol):
@@ -65,7 +65,7 @@ def _check_values(cfg: JobConfig) -> None:
         ("steps", cfg.steps >= 1, ">= 1"),
         ("checkpoint_every", cfg.checkpoint_every >= 0, ">= 0"),
         ("rollout.prompts_per_step", r.prompts_per_step >= 1, ">= 1"),
-        ("rollout.samples_per_prompt", r.samples_per_prompt >= (2 if cfg.algorithm == "grpo" else 1), ">= 2 for grpo, >= 1"),
+        ("rollout.samples_per_prompt", r.samples_per_prompt >= max(1, cfg.algo_hp.min_samples_per_prompt), _least_samples()),
         ("rollout.max_new_tokens", r.max_new_tokens >= 1, ">= 1"),
         ("rollout.temperature", r.temperature > 0, "> 0"),
         ("rollout.top_p", 0 < r.top_p <= 1, "in (0, 1]"),
@@ -94,13 +94,18 @@ def _check_values(cfg: JobConfig) -> None:
                 f"config key '{key}.dtype' is float16, which trains only with loss scaling, and the trainer has none; "
                 "use bfloat16 (or float32)"
             )
-    algo = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
-    mb = algo.minibatch_size
+    mb = cfg.algo_hp.minibatch_size
     if mb < 1 or cfg.batch_size % mb:
         raise ConfigError(
             f"config key '{cfg.algorithm}.minibatch_size'={mb} must divide the batch of "
             f"{cfg.batch_size} responses (rollout.prompts_per_step × rollout.samples_per_prompt)"
         )
+
+
+def _least_samples() -> str:
+    """">= 2 for grpo, >= 1": the least samples per prompt of each algorithm that needs more than one."""
+    more = [f">= {hp.min_samples_per_prompt} for {name}" for name, hp in HYPERPARAMETERS.items() if hp.min_samples_per_prompt > 1]
+    return ", ".join([*more, ">= 1"])
 
 
 def _get(cfg: object, key: str) -> object:
@@ -184,12 +189,11 @@ def _check_plan_stages(cfg: JobConfig) -> None:
     """Which model-stages the algorithm needs, and no others."""
     stages = cfg.plan.stages()
     need = [ACTOR_TRAIN, ACTOR_GEN]
-    if cfg.algorithm == "ppo":
+    if cfg.algo_hp.critic:
         need.append(CRITIC_TRAIN)  # critic.infer is optional: without it the values come from critic.train
     elif any(s.startswith("critic.") for s in stages):
-        raise ConfigError("plan 'critic' is set, but grpo has no critic")
-    kl = cfg.ppo.kl_coef if cfg.algorithm == "ppo" else cfg.grpo.kl_coef
-    if kl > 0:
+        raise ConfigError(f"plan 'critic' is set, but {cfg.algorithm} has no critic")
+    if cfg.algo_hp.kl_coef > 0:
         need.append(REF_INFER)
     if cfg.reward_model is not None:
         need.append(REWARD_INFER)
@@ -232,7 +236,7 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig, longest_row: int) 
         plan_layer_ranges(model.num_layers, sc.pp)
     except LayoutError as e:
         raise ConfigError(f"{name} (tp={sc.tp}, pp={sc.pp}) does not fit '{key}': {e}") from None
-    algo = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+    algo = cfg.algo_hp
     if stage.endswith(".train") and algo.minibatch_size % sc.dp:
         raise ConfigError(f"{name}: dp={sc.dp} does not divide {cfg.algorithm}.minibatch_size={algo.minibatch_size}")
     if sc.micro_batch_size is not None:

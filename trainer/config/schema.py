@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from nereus.reshard.derive import DecoderSpec
 from nereus.reshard.layout import ParallelConfig
@@ -169,6 +169,18 @@ class PPOConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # the actor's
     critic_lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # the critic's
 
+    critic: ClassVar[bool] = True  # trains a value model: the plan needs critic.train
+    min_samples_per_prompt: ClassVar[int] = 1
+
+    @property
+    def old_logprobs_in_rewards(self) -> bool:
+        """The token rewards read π_old before training (the k1 penalty), so the old-log-prob forward runs."""
+        return self.kl_in_reward
+
+    def schedules(self) -> dict[str, LRScheduleConfig]:
+        """Key (in this section) -> schedule of each trained model, by model-stage order."""
+        return {"lr_schedule": self.lr_schedule, "critic_lr_schedule": self.critic_lr_schedule}
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GRPOConfig:
@@ -185,6 +197,24 @@ class GRPOConfig:
     max_grad_norm: float = 1.0  # clip the actor's global gradient L2 norm to this, per optimizer step; 0: no clipping
     loss_agg: LossAgg = "token_mean"  # seq_mean_token_sum with scale_by_std: false is Dr. GRPO
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # the actor's
+
+    critic: ClassVar[bool] = False
+    min_samples_per_prompt: ClassVar[int] = 2  # a group's advantage needs a spread
+    old_logprobs_in_rewards: ClassVar[bool] = False
+
+    def schedules(self) -> dict[str, LRScheduleConfig]:
+        """Key (in this section) -> schedule of each trained model: the actor's."""
+        return {"lr_schedule": self.lr_schedule}
+
+
+Algorithm = Literal["ppo", "grpo"]
+"""The algorithms' names: each is the key of its hyperparameter section."""
+
+HYPERPARAMETERS: dict[str, type[PPOConfig] | type[GRPOConfig]] = {"ppo": PPOConfig, "grpo": GRPOConfig}
+"""Each algorithm's hyperparameter section, by its name: ``JobConfig`` holds it under that name.
+What the config and the planners know of an algorithm (``critic``, ``min_samples_per_prompt``,
+``old_logprobs_in_rewards``, ``schedules()``, ``minibatch_size``, ``epochs``, ``kl_coef``) is read
+off this section; ``trainer/algos/registry.py`` holds the maths."""
 
 
 Recompute = Literal["none", "full", "selective"]
@@ -335,7 +365,7 @@ class JobConfig:
     """One RL job: its algorithm, models, data, rollout, plan and runtime settings (``nereus train CONFIG``)."""
 
     seed: int = 0  # the job's seed: init, sampling, prompts and mini-batches are drawn from it (trainer/seeds.py)
-    algorithm: Literal["ppo", "grpo"] = "ppo"  # its hyperparameters are the section of that name
+    algorithm: Algorithm = "ppo"  # its hyperparameters are the section of that name (HYPERPARAMETERS)
     steps: int = 40  # RL steps of the run (each: weight sync, generation, inference, training)
     nproc: int = 1  # worker processes, ranks 0 … nproc−1: local workers, or the whole world under torchrun
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where model-stages run; see resolve_device
@@ -364,6 +394,11 @@ class JobConfig:
         return self.critic if self.critic is not None else self.model
 
     @property
+    def algo_hp(self) -> PPOConfig | GRPOConfig:
+        """The job's algorithm's hyperparameter section (``cfg.ppo`` or ``cfg.grpo``)."""
+        return getattr(self, self.algorithm)
+
+    @property
     def batch_size(self) -> int:
         """Responses per step: prompts × samples per prompt."""
         return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
@@ -371,7 +406,7 @@ class JobConfig:
     @property
     def optimizer_steps_per_step(self) -> int:
         """Optimizer steps of each trained model per RL step: epochs × mini-batches."""
-        hp = self.ppo if self.algorithm == "ppo" else self.grpo
+        hp = self.algo_hp
         return hp.epochs * max(1, self.batch_size // hp.minibatch_size)
 
     @property
@@ -379,9 +414,9 @@ class JobConfig:
         """One update per step and nothing before training reads the old log-probs (GRPO, or
         PPO with ``kl_in_reward: false``): π_old is the current policy, and the old-log-prob
         forward is skipped."""
-        hp = self.ppo if self.algorithm == "ppo" else self.grpo
+        hp = self.algo_hp
         one_update = hp.epochs == 1 and hp.minibatch_size >= self.batch_size
-        return one_update and (self.algorithm == "grpo" or not self.ppo.kl_in_reward)
+        return one_update and not hp.old_logprobs_in_rewards
 
     def stage_model(self, stage: str) -> tuple[str, ModelConfig, str]:
         """(config key, model config, head) of a dotted model-stage name."""
@@ -416,9 +451,7 @@ def decoder_spec(model: ModelConfig, *, head: str = "lm") -> DecoderSpec:
 def lr_schedules(cfg: JobConfig) -> dict[str, LRScheduleConfig]:
     """Config key -> schedule section of each trained model of the job, by model-stage order
     (actor, then the critic under PPO)."""
-    if cfg.algorithm == "ppo":
-        return {"ppo.lr_schedule": cfg.ppo.lr_schedule, "ppo.critic_lr_schedule": cfg.ppo.critic_lr_schedule}
-    return {"grpo.lr_schedule": cfg.grpo.lr_schedule}
+    return {f"{cfg.algorithm}.{key}": schedule for key, schedule in cfg.algo_hp.schedules().items()}
 
 
 def warmup_from_ratio(ratio: float, total: int) -> int:

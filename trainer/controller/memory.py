@@ -183,7 +183,7 @@ def memory_at(
         return terms[name]
 
     layout, tp, pp, dp = kept_with_c("layout", lambda: (c.layout[which], c.tp[which], c.pp[which], c.dp[which]))
-    rows = -(-(cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo).minibatch_size // dp) if train else -(-cfg.batch_size // dp)
+    rows = -(-cfg.algo_hp.minibatch_size // dp) if train else -(-cfg.batch_size // dp)
     if key == ACTOR_GEN and cfg.rollout.engine == "vllm":
         share = int(cfg.rollout.gpu_memory_utilization * (cfg.device_memory_gib or 0) * GIB)
         return np.zeros(len(which), dtype=np.int64), np.full(len(which), share, dtype=np.int64)  # asleep outside generation

@@ -52,7 +52,7 @@ class Workload:
         trainer caps a length curriculum's rollouts at that step's answer length."""
         from ..data.tasks import build_task
 
-        hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+        hp = cfg.algo_hp
         task = build_task(cfg.task)
         longest = cfg.rollout.max_new_tokens
         if step is not None and cfg.task.grow_to is not None:

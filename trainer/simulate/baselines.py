@@ -119,7 +119,7 @@ def scale(cfg: JobConfig, n: int) -> JobConfig | None:
     if n == cfg.nproc:
         return cfg
     old = cfg.nproc
-    hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+    hp = cfg.algo_hp
     failed = []
 
     def one(key: str, sc: StageConfig) -> StageConfig:

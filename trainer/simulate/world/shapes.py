@@ -205,7 +205,7 @@ def job_prompt(cfg: JobConfig) -> int:
 def job_work(cfg: JobConfig, t, prompt_mean: float | None = None) -> Work:
     """A trace step's ``Work`` for ``cfg`` (``t``: any object with the ``TraceStep`` fields;
     its ``prompt_mean``, else ``prompt_mean``, else the longest prompt)."""
-    hp = cfg.ppo if cfg.algorithm == "ppo" else cfg.grpo
+    hp = cfg.algo_hp
     prompt = job_prompt(cfg)
     mean = getattr(t, "prompt_mean", None)
     mean = mean if mean is not None else prompt_mean if prompt_mean is not None else prompt
