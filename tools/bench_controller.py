@@ -56,6 +56,8 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(ROOT / "tools"))
 from bench_train import LAYOUTS, layout_plan  # noqa: E402 - the same training layouts, named the same
 
+from trainer.config.names import ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER  # noqa: E402
+
 DEVICES = (32, 256, 1024, 4096)
 DECISION_BAR_MS, CALIBRATION_BAR, ADAPTIVE_BAR, SHARE_BAR = 50.0, 0.15, 1.15, 0.02
 LLAMA = ROOT / "configs" / "llama3_8b_ppo.yaml"
@@ -64,8 +66,8 @@ TINY_GROW = ROOT / "configs" / "tiny_grow.yaml"
 CALIBRATE = ("dp4", "dp2·tp2", "tp2·pp2")  # bench_train's training layouts (actor.train and critic.train)
 PREDICT = ("dp4 FSDP", "tp4", "dp2·pp2 FSDP")
 CALIBRATE_ON = len(CALIBRATE)
-MOVED = ("actor.train", "critic.train", "actor.train.infer", "critic.train.infer")
-UNMOVED = ("actor.gen", "ref.infer", "critic.infer")  # the same layout in every calibration run
+MOVED = (ACTOR_TRAIN, CRITIC_TRAIN, ACTOR_TRAIN_INFER, CRITIC_TRAIN_INFER)
+UNMOVED = (ACTOR_GEN, REF_INFER, CRITIC_INFER)  # the same layout in every calibration run
 
 
 # --------------------------------------------------------------------------- 1. decision time
@@ -221,7 +223,7 @@ def fixed_plans(cfg) -> list:
     from nereus.trainer.controller.search import stage_options
     from nereus.trainer.controller.workload import Workload
 
-    return [sc for sc in stage_options(cfg, "actor.train", tuple(range(cfg.nproc)), Workload.from_config(cfg)) if sc.recompute == "none"]
+    return [sc for sc in stage_options(cfg, ACTOR_TRAIN, tuple(range(cfg.nproc)), Workload.from_config(cfg)) if sc.recompute == "none"]
 
 
 def label(sc) -> str:

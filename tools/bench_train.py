@@ -75,6 +75,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from trainer.config.names import ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, REF_INFER  # noqa: E402 - no torch
 
 WORKLOAD = {
     "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 4,
@@ -310,8 +311,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # spread from 1 to 64 in one batch (the run prints them)
 VARIED = [*WIDE, "rollout.max_new_tokens=64", "model.max_seq_len=69"]
 PACK_TOKENS = 512
-PACKED_STAGES = ("actor.train", "critic.train", "ref.infer", "critic.infer")
-TRAINING = ("actor.train", "critic.train")
+PACKED_STAGES = (ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, CRITIC_INFER)
+TRAINING = (ACTOR_TRAIN, CRITIC_TRAIN)
 
 
 def run_recompute_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
@@ -339,7 +340,7 @@ def run_recompute_rows(warmup: int, steps: int) -> tuple[list[dict], dict]:
                     "activation_peak_mib": {k: round(m.stage_peaks[k] / 2**20, 2) for k in TRAINING},
                 })
         long = [r for r in rows if r["variant"] != "default job"]
-        peak = {r["recompute"]: r["activation_peak_mib"]["actor.train"] for r in long}
+        peak = {r["recompute"]: r["activation_peak_mib"][ACTOR_TRAIN] for r in long}
         figures["recompute_memory_saving"] = 1 - peak["full"] / peak["none"]
         figures["recompute_selective_saving"] = 1 - peak["selective"] / peak["none"]
         secs = {r["recompute"]: r["training_seconds_median"] for r in long}
@@ -386,7 +387,7 @@ def markdown(head: list[str], rows: list[list[str]]) -> str:
 def recompute_table(rows: list[dict]) -> str:
     head = ["variant", "recompute", "step s", "training s", "activation peak, actor.train / critic.train MiB", "peak RSS per rank, MiB"]
     return markdown(head, [[r["variant"], r["recompute"], f"{r['step_seconds_median']:.3f}", f"{r['training_seconds_median']:.3f}",
-                            f"{r['activation_peak_mib']['actor.train']:.1f} / {r['activation_peak_mib']['critic.train']:.1f}",
+                            f"{r['activation_peak_mib'][ACTOR_TRAIN]:.1f} / {r['activation_peak_mib'][CRITIC_TRAIN]:.1f}",
                             ", ".join(map(str, r["peak_memory_mib"]))] for r in rows])
 
 

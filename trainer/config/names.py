@@ -12,6 +12,10 @@ CRITIC_INFER = "critic.infer"
 REF_INFER = "ref.infer"
 REWARD_INFER = "reward.infer"
 
+ACTOR_TRAIN_INFER = f"{ACTOR_TRAIN}.infer"
+CRITIC_TRAIN_INFER = f"{CRITIC_TRAIN}.infer"
+"""A training layout's own forward (the old log-probs; the old values without critic.infer): a piece the step measures."""
+
 MODEL_STAGES = (ACTOR_TRAIN, ACTOR_GEN, CRITIC_TRAIN, CRITIC_INFER, REF_INFER, REWARD_INFER)
 """Every model-stage a plan may place, in the plan's order."""
 

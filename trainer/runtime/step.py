@@ -49,7 +49,7 @@ from ..algos import ppo
 from ..algos.advantages import kl_k1, masked_mean, minibatch_indices
 from ..algos.registry import Trained, algorithm
 from ..config import JobConfig
-from ..config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, REF_INFER, REWARD_INFER
+from ..config.names import ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER, REWARD_INFER
 from ..data.prompts import Prompts, make_source
 from ..metrics.log import peak_memory
 from ..metrics.meters import StageMeter, rss_bytes, trim_heap
@@ -168,14 +168,14 @@ class Trainer:
             with meter(REWARD_INFER):
                 scores = infer(self.stages[REWARD_INFER], batch, "scores")
         if not self.on_policy:
-            with meter("actor.train.infer"):  # the old log-probs, by the training layout
+            with meter(ACTOR_TRAIN_INFER):  # the old log-probs, by the training layout
                 batch["old_logprobs"] = infer(self.stages[ACTOR_TRAIN], batch, "logprobs", temp)
         if REF_INFER in self.stages:
             with meter(REF_INFER):
                 batch["ref_logprobs"] = infer(self.stages[REF_INFER], batch, "logprobs", temp)
         if self.algo.critic:
             values = self.stages.get(CRITIC_INFER, self.stages[CRITIC_TRAIN])
-            with meter(CRITIC_INFER if values.key == CRITIC_INFER else "critic.train.infer"):
+            with meter(CRITIC_INFER if values.key == CRITIC_INFER else CRITIC_TRAIN_INFER):
                 batch["old_values"] = infer(values, batch, "values")
         with meter("advantages"):
             advantage_metrics = self._advantages(batch, scores)

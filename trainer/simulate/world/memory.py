@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 from nereus.trainer.config import JobConfig, StageConfig
-from nereus.trainer.config.names import ACTOR_GEN, SYNCED
+from nereus.trainer.config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, SYNCED
 
 from .links import stage_ranks
 from .shapes import Lengths, ModelShape
@@ -130,11 +130,14 @@ def running(cfg: JobConfig) -> list[tuple[str, StageConfig, bool]]:
     and a training layout's own forward where the step runs one (``pieces``)."""
     stages = cfg.plan.stages()
     out = [(k, sc, False) for k, sc in stages.items()]
-    for k in ("actor.train", "critic.train"):
-        own = (k == "actor.train" and not cfg.on_policy) or (k == "critic.train" and "critic.infer" not in stages)
-        if k in stages and own:
-            out.append((k, stages[k], True))
+    out += [(k, stages[k], True) for k in (ACTOR_TRAIN, CRITIC_TRAIN) if k in stages and own_forward(cfg, k)]
     return out
+
+
+def own_forward(cfg: JobConfig, key: str) -> bool:
+    """Whether training stage ``key`` runs a forward of its own in the step: the actor's old
+    log-probs off-policy, the critic's old values without a ``critic.infer``."""
+    return (key == ACTOR_TRAIN and not cfg.on_policy) or (key == CRITIC_TRAIN and CRITIC_INFER not in cfg.plan.stages())
 
 
 def rank_roles(cfg: JobConfig) -> tuple[np.ndarray, np.ndarray, list[str]]:

@@ -57,7 +57,7 @@ def pieces(cfg: JobConfig) -> list[str]:
         if key in SYNCED:
             out.append(f"sync.{key}")
         out.append(key)
-        if (key == "actor.train" and not cfg.on_policy) or (key == "critic.train" and "critic.infer" not in stages):
+        if memory.own_forward(cfg, key):
             out.append(f"{key}.infer")
     return out
 
