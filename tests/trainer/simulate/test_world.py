@@ -163,6 +163,21 @@ def test_the_pipeline_bubble_is_the_1f1b_schedule(micro, pp):
     assert parts["bubble"] / schedule == pytest.approx((pp - 1) / (micro + pp - 1), rel=1e-9)
 
 
+@pytest.mark.parametrize("pp, rows, packs", [(1, 16, 1), (4, 16, 4), (16, 16, 16), (16, 8, 8)])
+def test_a_pipeline_gets_at_least_pp_packs_as_the_trainer_cuts_them(pp, rows, packs):
+    """A token budget above a replica's tokens makes one pack, but the trainer cuts a pipeline's
+    rows into at least min(pp, rows) packs (trainer/runtime/stages.py, ``_pack``): each pack's
+    tokens, hence its activations and logits, are the replica's over that many."""
+    from nereus.trainer.config import StageConfig
+    from nereus.trainer.simulate.world.shapes import Work
+    from nereus.trainer.simulate.world.stages import batching
+
+    lengths = Lengths.of([Work(batch=rows, prompt=512, prompt_mean=400.0, response_max=2048, response_mean=1000.0, minibatch=rows, epochs=1)])
+    bt = batching(StageConfig(pp=pp, micro_batch_tokens=10**9), rows, lengths)
+    assert bt.count[0] == packs
+    assert bt.tokens[0] == pytest.approx(rows * float(lengths.row_mean[0]) / packs)
+
+
 def test_fsdp_state_per_rank_falls_with_dp():
     w = World.from_file("h100", seed=0, noise=False)
     peaks, shape = [], None

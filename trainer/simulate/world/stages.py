@@ -3,7 +3,8 @@
 Micro-batches of a replica (``batching``). Without packing, ``StageConfig.micro_batches(rows)``
 micro-batches of rows padded to the step's width W: m = rows_mb·W tokens, attention over
 Σ L² = rows_mb·W². With ``micro_batch_tokens`` = B, rows keep their real length and are
-packed first-fit into ⌈real / (B − row/2)⌉ packs (a pack wastes half a row on average):
+packed first-fit into ⌈real / (B − row/2)⌉ packs (a pack wastes half a row on average), at
+least min(pp, rows) under a pipeline (the trainer's rule: every stage needs micro-batches):
 m = real / packs, attention over each row alone (varlen kernels), Σ L² = rows_mb·E[L²].
 
 One micro-batch on pipeline stage j (layers_j blocks, the embedding on the first, the head
@@ -85,6 +86,8 @@ def batching(sc: StageConfig, rows: int, lengths: Lengths) -> Batching:
         row = lengths.row_mean
         real = rows * row
         count = np.maximum(1.0, np.minimum(rows, np.ceil(real / np.maximum(sc.micro_batch_tokens - row / 2, row))))
+        if sc.pp > 1:  # the trainer cuts at least pp packs for a pipeline, where the rows allow
+            count = np.maximum(count, min(sc.pp, rows))
         return Batching(count=count, tokens=real / count, attended=rows / count * lengths.row_sq_mean, seq=np.sqrt(lengths.row_sq_mean))
     n = sc.micro_batches(rows)
     width = lengths.width
