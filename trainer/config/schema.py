@@ -365,7 +365,7 @@ class JobConfig:
     """One RL job: its algorithm, models, data, rollout, plan and runtime settings (``nereus train CONFIG``)."""
 
     seed: int = 0  # the job's seed: init, sampling, prompts and mini-batches are drawn from it (trainer/seeds.py)
-    algorithm: Algorithm = "ppo"  # its hyperparameters are the section of that name (HYPERPARAMETERS)
+    algorithm: Algorithm = "ppo"  # its hyperparameters are the section of that name
     steps: int = 40  # RL steps of the run (each: weight sync, generation, inference, training)
     nproc: int = 1  # worker processes, ranks 0 … nproc−1: local workers, or the whole world under torchrun
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where model-stages run; see resolve_device
