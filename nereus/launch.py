@@ -39,12 +39,17 @@ Semaphores: torch's agent makes multiprocessing semaphores for every start of th
 ``/dev/shm`` (``sem.mp-XXXX``). A clean exit unlinks them, and so does the launcher's resource
 tracker when the launcher alone dies; a SIGKILL of the whole process group (the tracker with
 it) leaves them until reboot. ``launch_local(..., shm_tag=...)`` names them
-``sem.nereus-<tag>.<launcher pid>-XXXX`` (``named_semaphores``: the ``semprefix`` CPython's
-``multiprocessing`` reads from the process's config; spawned children inherit it), so that
-every later launch on the same run dir, on one node or several, removes what a killed one
-left on its node — the files whose launcher pid no longer runs (``remove_stale_semaphores``;
-under the run dir's lock also an older Nereus's ``sem.nereus-<tag>-XXXX``). Under torchrun its
-own agent makes them, named as torch does (``sem.mp-*``): Nereus cannot tell them from other
+``sem.nereus-<tag>.<key>-XXXX`` (``named_semaphores``: the ``semprefix`` CPython's
+``multiprocessing`` reads from the process's config; spawned children inherit it), ``key`` being
+the launcher's ``<pid>.<8 hex>``, and the launcher holds ``LOCK_EX`` on a sentinel
+``nereus-<tag>.<key>.launcher`` in ``/dev/shm`` for its life (``hold_sentinel``; unlinked at
+exit). Every later launch on the same run dir, on one node or several, removes what a killed one
+left on its node: the semaphores and sentinel of every key whose sentinel is unlocked
+(``remove_stale_semaphores``). Liveness is the lock, never the pid: a ``/dev/shm`` shared across
+pid namespaces (containers run ``--ipc=host``) holds other namespaces' launchers, whose pids mean
+nothing here. Files without a sentinel (an older Nereus's ``sem.nereus-<tag>-XXXX`` and
+``sem.nereus-<tag>.<pid>-XXXX``) go only under the run dir's lock, on one node. Under torchrun
+its own agent makes them, named as torch does (``sem.mp-*``): Nereus cannot tell them from other
 programs' and leaves them.
 
 Workers and their launcher: the launcher hands its workers ``NEREUS_LAUNCHER`` (its pid and
@@ -56,10 +61,12 @@ which the run dir's lock tells this launch's rounds from another launch reusing 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import logging
 import os
+import re
 import socket
 from typing import Any, Callable, Iterator
 
@@ -213,53 +220,148 @@ def rendezvous_timeout(collective_timeout_s: float) -> float:
 
 
 SHM = "/dev/shm"
+_KEY = re.compile(r"[0-9]+\.[0-9a-f]{8}")
+_SENTINELS: dict[str, tuple[str, int, str]] = {}
+"""This process's launcher key, sentinel descriptor and path by tag (``hold_sentinel``)."""
 
 
-def sem_prefix(tag: str, pid: int | None = None) -> str:
-    """The semaphore names of a launch tagged ``tag`` by the launcher ``pid`` (this
-    process's by default): ``/nereus-<tag>.<pid>``, files ``sem.nereus-<tag>.<pid>-XXXX``."""
-    return f"/nereus-{tag}.{os.getpid() if pid is None else pid}"
+def sem_prefix(tag: str, key: str) -> str:
+    """The semaphore names of a launch tagged ``tag`` by the launcher of ``key``
+    (``hold_sentinel``): ``/nereus-<tag>.<key>``, files ``sem.nereus-<tag>.<key>-XXXX``."""
+    return f"/nereus-{tag}.{key}"
 
 
-def sem_pid(name: str, tag: str) -> int | None:
-    """The launcher pid in a semaphore file's name of ``tag`` (``sem_prefix``), None for one
-    of an older Nereus (``sem.nereus-<tag>-XXXX``, no pid) (pure)."""
+def sem_owner(name: str, tag: str) -> str | None:
+    """The launcher key in a semaphore file's name of ``tag`` (``sem_prefix``), None for one of
+    an older Nereus (``sem.nereus-<tag>-XXXX``, ``sem.nereus-<tag>.<pid>-XXXX``) (pure)."""
     head = f"sem.nereus-{tag}."
     if not name.startswith(head):
         return None
-    pid = name[len(head):].partition("-")[0]
-    return int(pid) if pid.isdecimal() else None
+    key = name[len(head):].partition("-")[0]
+    return key if _KEY.fullmatch(key) else None
+
+
+def sentinel_path(tag: str, key: str, shm: str = SHM) -> str:
+    """The launcher of ``key``'s sentinel: ``nereus-<tag>.<key>.launcher``, locked while it lives."""
+    return os.path.join(shm, f"nereus-{tag}.{key}.launcher")
+
+
+def hold_sentinel(tag: str, shm: str = SHM) -> str | None:
+    """This process's launcher key for ``tag`` (``<pid>.<8 hex>``: unique across pid namespaces),
+    made once per process: its sentinel is created locked (``LOCK_EX``, ``O_CLOEXEC``; made under
+    a temporary name, then renamed, so no one sees it unlocked) and held until the process exits,
+    then unlinked (``atexit``); None where it cannot be made (no ``shm``, no ``flock``)."""
+    if tag in _SENTINELS:
+        return _SENTINELS[tag][0]
+    import fcntl
+    import uuid
+
+    key = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    path = sentinel_path(tag, key, shm)
+    tmp = f"{path}.tmp"
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, path)
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return None
+    if not _SENTINELS:
+        atexit.register(drop_sentinels)
+    _SENTINELS[tag] = (key, fd, path)
+    return key
+
+
+def drop_sentinels() -> None:
+    """Unlink and let go of this process's sentinels (at exit)."""
+    for _, fd, path in _SENTINELS.values():
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _SENTINELS.clear()
+
+
+def _forget_sentinels_in_child() -> None:
+    """A forked child neither holds its parent's sentinels nor unlinks them."""
+    for _, fd, _ in _SENTINELS.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _SENTINELS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_sentinels_in_child)
+
+
+def launcher_alive(tag: str, key: str, shm: str = SHM) -> bool | None:
+    """Whether the launcher of ``key`` runs, by its sentinel's lock — never by a pid, which
+    another pid namespace sharing ``shm`` (``--ipc=host``) may reuse: True while it is locked
+    (or cannot be looked at), False when it is there unlocked (its launcher died), None when it
+    is not there (a launcher at its very end, or none of this Nereus)."""
+    import fcntl
+
+    if tag in _SENTINELS and _SENTINELS[tag][0] == key:
+        return True
+    try:
+        fd = os.open(sentinel_path(tag, key, shm), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # held (BlockingIOError), or no flock here: taken for alive
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 @contextlib.contextmanager
 def named_semaphores(tag: str | None) -> Iterator[None]:
-    """The multiprocessing semaphores this process makes meanwhile are named by ``tag``
-    (module docstring); a no-op without a tag or on a Python without ``semprefix``."""
+    """The multiprocessing semaphores this process makes meanwhile are named by ``tag`` and this
+    process's launcher key (module docstring); a no-op without a tag, on a Python without
+    ``semprefix``, or where no sentinel can be made."""
     import multiprocessing
 
     config = getattr(multiprocessing.current_process(), "_config", None)
-    if tag is None or not isinstance(config, dict) or "semprefix" not in config:
+    key = hold_sentinel(tag) if tag is not None and isinstance(config, dict) and "semprefix" in config else None
+    if key is None:
         yield
         return
-    old, config["semprefix"] = config["semprefix"], sem_prefix(tag)
+    old, config["semprefix"] = config["semprefix"], sem_prefix(tag, key)
     try:
         yield
     finally:
         config["semprefix"] = old
 
 
-def stale_semaphores(tag: str, shm: str = SHM) -> list[str]:
-    """The semaphore files of launches tagged ``tag`` in ``shm`` that this user owns (live
-    launches' too)."""
+def _mine(paths: list[str]) -> list[str]:
     out = []
-    found = glob.glob(os.path.join(shm, f"sem.nereus-{tag}.*")) + glob.glob(os.path.join(shm, f"sem.nereus-{tag}-*"))
-    for path in sorted(found):
+    for path in sorted(paths):
         try:
             if os.lstat(path).st_uid == os.geteuid():
                 out.append(path)
         except FileNotFoundError:
             pass
     return out
+
+
+def stale_semaphores(tag: str, shm: str = SHM) -> list[str]:
+    """The semaphore files of launches tagged ``tag`` in ``shm`` that this user owns (live
+    launches' too)."""
+    return _mine(glob.glob(os.path.join(shm, f"sem.nereus-{tag}.*")) + glob.glob(os.path.join(shm, f"sem.nereus-{tag}-*")))
+
+
+def launcher_sentinels(tag: str, shm: str = SHM) -> list[str]:
+    """The sentinels of launches tagged ``tag`` in ``shm`` that this user owns (live ones' too)."""
+    return _mine(glob.glob(os.path.join(shm, f"nereus-{tag}.*.launcher")))
 
 
 def pid_alive(pid: int) -> bool:
@@ -274,20 +376,28 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_semaphores(tag: str, shm: str = SHM, *, locked: bool = False) -> list[str]:
-    """Unlink what killed launches tagged ``tag`` left in ``shm``: the files whose launcher
-    pid (``sem_pid``) no longer runs — safe on any node at any time, so every launch does it,
-    one node or several — and, with ``locked`` (under the run dir's lock: no launch of the
-    tag runs), an older Nereus's files without a pid too; returns what went."""
-    gone = []
+    """Unlink what killed launches tagged ``tag`` left in ``shm``: the semaphores and sentinel of
+    every launcher whose sentinel is there unlocked (``launcher_alive`` False) — safe on any node
+    at any time, so every launch does it, one node or several — and, with ``locked`` (under the
+    run dir's lock: no launch of the tag runs here), those without a sentinel too (an older
+    Nereus's names); returns what went."""
+    gone, alive = [], {}
     for path in stale_semaphores(tag, shm):
-        pid = sem_pid(os.path.basename(path), tag)
-        if (pid is None and not locked) or (pid is not None and (pid == os.getpid() or pid_alive(pid))):
+        key = sem_owner(os.path.basename(path), tag)
+        if key is not None and key not in alive:
+            alive[key] = launcher_alive(tag, key, shm)
+        verdict = alive.get(key) if key is not None else None
+        if verdict or (verdict is None and not locked):
             continue
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             gone.append(path)
-        except FileNotFoundError:
-            pass
+    for path in launcher_sentinels(tag, shm):  # after its semaphores: while it is there they are told apart
+        key = os.path.basename(path)[len(f"nereus-{tag}."):-len(".launcher")]
+        if _KEY.fullmatch(key) and launcher_alive(tag, key, shm) is False:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                gone.append(path)
     return gone
 
 

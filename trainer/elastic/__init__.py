@@ -6,6 +6,8 @@
 - ``resume``      the plan a resumed job runs in, chosen before any worker starts
 - ``job_record``  the job's record in the store: its plans, transitions and starts
 - ``run_lock``    one job per run dir: the exclusive ``flock`` on ``RUN_DIR/.lock`` and who holds it
+- ``lock_record`` the run dir lock's record, whether an acquirer waits for its holder, and its one-line messages
+- ``lock_holders`` who holds a lock file on this host, from ``/proc`` (a refusal names them)
 - ``phases``      phase marks for fault injection from outside (``NEREUS_PHASE_LOG``; off otherwise)
 
 Nothing here imports ``runtime/``: the trainer comes in as an argument.

@@ -14,7 +14,9 @@ Who holds it:
 - several nodes (``--nnodes MIN:MAX``, MAX > 1) and under torchrun: no node's launcher can
   tell the job's first start from a node joining later, so global rank 0's worker takes it
   right after the process group forms (``restore.agree_start``, before its run-dir checks)
-  and holds it until it exits; each round's rank 0 takes it again. Between two rounds nobody
+  and holds it until its process exits (``keep_until_exit``: not when ``run_worker`` returns,
+  since its staging thread and other nodes' ranks may still be exiting; the kernel drops it,
+  and the record of a job that ended says ``finished``); each round's rank 0 takes it again. Between two rounds nobody
   holds it for a few seconds; the record names the job (``job_identity`` of the agent's
   ``TORCHELASTIC_RUN_ID``), and a rank 0 finding it held by its own job (the previous
   round's rank 0, still being stopped) waits up to ``SAME_JOB_WAIT_S`` for it
@@ -23,8 +25,9 @@ Who holds it:
   lock a lost host's NFS client still holds is tried again; the last round's error names the
   run dir and the holder in one line). Across hosts the lock holds where the shared
   filesystem implements ``flock`` between clients (NFSv4, Lustre mounted ``-o flock``,
-  GPFS); with a node-local one (Lustre ``-o localflock``) it excludes jobs on one host only,
-  and a filesystem without ``flock`` is refused (``NoFlock``, below).
+  GPFS); with a node-local one (Lustre ``-o localflock``, NFS mounted ``-o local_lock=flock``
+  or ``all``) it excludes jobs on one host only, and a filesystem without ``flock`` is refused
+  (``NoFlock``, below).
 
 Same job: the rendezvous id is the job's identity only when the launch gave one. torchrun's
 default ``--rdzv-id`` is the literal ``none`` (and an empty one names nothing): every job
@@ -33,11 +36,13 @@ None, recorded as no job) and a holder is then always another job — no waiting
 fails at once with ``RunDirBusy`` and the agent's restart is the retry. ``nereus train``
 always has one of its own (``--rdzv-id``, required on several nodes; a fresh uuid on one).
 
-The record (one JSON line: host, pid, start time, job) is written into the file once it is
-locked. A clean release unlinks the file while still holding it, then closes it; so an
-acquirer re-checks that the path still names the inode it locked, else retries — two holders
-never coexist. The kernel releases a dead holder's ``flock``: the next acquirer finds its
-record (a clean release leaves none), takes the lock over and logs one line naming it (stale).
+The record (one JSON line: host, pid, start time, job; ``finished`` once the job ended) is
+written into the file once it is locked, before the workers' check below. The launcher's clean
+release unlinks the file while still holding it, then closes it; so an acquirer re-checks that
+the path still names the inode it locked, else retries — two holders never coexist. The kernel
+releases a dead holder's ``flock``: the next acquirer finds its record (a clean release leaves
+none), takes the lock over and logs one line naming it (stale) — quietly when it is a finished
+job's. A finished holder still exiting is waited for like its workers (below).
 
 Workers of a dead launcher (``RUN_DIR/.lock.workers``). The kernel drops the launcher's
 ``flock`` when the launcher alone is SIGKILLed, while its workers may still write the run dir
@@ -46,11 +51,24 @@ staging thread outlived it). So every worker takes ``LOCK_SH`` on ``.lock.worker
 ``O_CLOEXEC``) before it writes anything and holds it for the rest of its process's life
 (``hold_for_worker``, from ``restore.agree_start``), and an acquirer of ``.lock`` must also get
 ``LOCK_EX|LOCK_NB`` on ``.lock.workers`` — it only checks, and drops it at once, so its own
-workers (started later, while it holds ``.lock``) take theirs — else ``RunDirBusy`` naming the
-dead launcher's workers (an acquirer of the same job waits for them like for ``.lock``). Our
-launcher's workers also die with it (``die_with_launcher``: ``PR_SET_PDEATHSIG`` = SIGKILL on
-Linux). ``.lock.workers`` is never unlinked (a worker may hold it; a new inode would split the
-lock): a 0-byte file of that name stays in the run dir.
+workers (started later, while it holds ``.lock``) take theirs. While it is held the acquirer
+waits, polling, at most ``acquire``'s ``wait_workers_s`` (the launcher: ``WORKERS_EXIT_WAIT_S``;
+rank 0: ``same_job_wait_s``), since workers tear down after their launcher or their rank 0 (a
+resume right after a SIGKILL or a clean end); then ``RunDirBusy``, one line saying whose workers
+they are (a dead launcher's, a finished job's, this job's previous round's) and naming the
+holders' pids (``lock_holders``). Our launcher's workers also die with it (``die_with_launcher``:
+``PR_SET_PDEATHSIG`` = SIGKILL on Linux). ``.lock.workers`` is never unlinked (a worker may hold
+it; a new inode would split the lock): a 0-byte file of that name stays in the run dir.
+
+A dying job's late rank can take ``LOCK_SH`` just after a new job's check: so the acquirer writes
+its record before it checks, and a worker reads the record once it holds ``LOCK_SH`` and stops
+(``RunDirBusy``, one line) unless it is its own job's (``own_record``: its launcher's or its own
+pid on its host, or its job) — before it writes anything, its staging included.
+
+Forked children (a reward pool, a DataLoader's workers: fork without exec, which ``O_CLOEXEC``
+does not cover) share the lock's open file description: an orphan would keep a dead job's lock
+for ever. Every fork closes the child's copies of this process's lock descriptors
+(``os.register_at_fork``); a child's ``RunLock`` forgets its lock, so it never unlinks it.
 
 Same job: under Nereus's launcher (and ``torchrun --rdzv-backend nereus``) the rendezvous
 store hands every round of one launch the same launch id (``nereus.launch``:
@@ -63,7 +81,9 @@ times out.
 
 A filesystem without ``flock`` (``ENOLCK``, ``EOPNOTSUPP``, ``ENOSYS``: NFSv3 without lockd,
 Lustre mounted without ``-o flock``, some FUSE filesystems) cannot keep one job per run dir:
-``NoFlock``, one line naming the run dir and the filesystem problem (``nereus train`` exits 2).
+``NoFlock``, one line naming the run dir and the filesystem problem (``nereus train`` and
+``resume`` exit 2 on one node; on several nodes and under torchrun rank 0's worker fails with it:
+exit 1).
 """
 
 from __future__ import annotations
@@ -76,22 +96,21 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 from nereus.launch import LAUNCH_ID_ENV, LAUNCHER_ENV, launcher_env, pid_alive  # noqa: F401 - the launcher's names, read here
 
-LOCK_NAME = ".lock"
-WORKERS_LOCK_NAME = ".lock.workers"
-SAME_JOB_WAIT_S = 30.0
-"""How long a worker waits, at most, for a lock its own job's previous round still holds (``same_job_wait_s``)."""
+from .lock_holders import describe_pids, holders
+from .lock_record import (DEFAULT_RUN_IDS, LOCK_NAME, SAME_JOB_WAIT_S, WORKERS_LOCK_NAME, Holder,  # noqa: F401 - re-exported
+                          busy_message, job_identity, launch_of, no_flock_message, not_own_message, own_record, parse_holder, same_job_wait_s,
+                          spawned_by, stale_message, waiting_message, waits_for, workers_message)
+
+WORKERS_EXIT_WAIT_S = 30.0
+"""How long the launcher's acquire waits, at most, for a previous job's exiting workers and a finished
+holder (a worker's waits ``same_job_wait_s``)."""
 WORKER_LOCK_WAIT_S = 10.0
 """How long a worker tries for ``LOCK_SH`` on ``.lock.workers`` (an acquirer holds ``LOCK_EX`` for an instant only)."""
 NO_FLOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _READ_TRIES = 20  # a holder that just locked writes its record within milliseconds
-
-
-DEFAULT_RUN_IDS = frozenset({"", "none"})
-"""Run ids that name no job: torchrun's default ``--rdzv-id`` and an empty one (module docstring)."""
 
 
 class RunDirBusy(RuntimeError):
@@ -100,30 +119,6 @@ class RunDirBusy(RuntimeError):
 
 class NoFlock(RuntimeError):
     """The run dir's filesystem does not implement ``flock`` (its message: one line)."""
-
-
-def job_identity(run_id: str | None, launch: str | None = None) -> str | None:
-    """The job a lock record names for the agent's run id ``run_id`` (pure): None for none,
-    an empty one or torchrun's default ``none`` (any case, blanks around it), which many
-    unrelated jobs share; else the id itself, qualified by the launch id ``launch`` when the
-    rendezvous gave one (``<run id>@<launch>``: a reused ``--rdzv-id`` is another job)."""
-    if run_id is None or run_id.strip().lower() in DEFAULT_RUN_IDS:
-        return None
-    return f"{run_id}@{launch}" if launch else run_id
-
-
-def same_job_wait_s(collective_timeout_s: float) -> float:
-    """How long rank 0 waits for its own job's previous round (pure): ``SAME_JOB_WAIT_S``,
-    at most half the collective timeout the other ranks wait for its decision with."""
-    return max(0.0, min(SAME_JOB_WAIT_S, collective_timeout_s / 2))
-
-
-def no_flock_message(run_dir: str, err: OSError) -> str:
-    """The one line for a run dir whose filesystem has no ``flock`` (pure)."""
-    name = errno.errorcode.get(err.errno or 0, str(err.errno))
-    return (f"run dir {run_dir} cannot be locked: its filesystem does not support flock ({name}: {err.strerror}); "
-            "one job per run dir cannot be kept there: use a run dir on a local disk or on a filesystem with flock "
-            "(NFSv4, Lustre mounted -o flock, GPFS)")
 
 
 def _flock(fd: int, op: int, run_dir: str) -> None:
@@ -136,70 +131,6 @@ def _flock(fd: int, op: int, run_dir: str) -> None:
         if e.errno in NO_FLOCK_ERRNOS:
             raise NoFlock(no_flock_message(run_dir, e)) from None
         raise
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Holder:
-    """Who holds (or held) a run dir's lock, as its record says."""
-
-    host: str
-    pid: int
-    started: float
-    job: str | None = None
-
-    def describe(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        job = f", job {self.job}" if self.job else ""
-        return f"pid {self.pid} on host {self.host}, started {when}{job}"
-
-
-def parse_holder(text: str) -> Holder | None:
-    """A lock file's record (pure); None when empty or unreadable (a holder still writing it,
-    or a file of another tool)."""
-    try:
-        d = json.loads(text)
-        return Holder(host=str(d["host"]), pid=int(d["pid"]), started=float(d["started"]), job=d.get("job"))
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def waits_for(holder: Holder | None, job: str | None) -> bool:
-    """Whether an acquirer of job ``job`` waits for a live ``holder`` (pure): only when both
-    name one job, and that job is an identity (``job_identity``: never torchrun's default
-    ``none`` or an empty id, which unrelated jobs share)."""
-    mine = job_identity(job)
-    return holder is not None and mine is not None and job_identity(holder.job) == mine
-
-
-def busy_message(run_dir: str, holder: Holder | None) -> str:
-    """The one line a second job gets (pure)."""
-    who = holder.describe() if holder else "a process that has not written its record yet"
-    return (f"run dir {run_dir} is in use by another job ({who}; lock {os.path.join(run_dir, LOCK_NAME)}): "
-            "wait for it to finish, stop it, or use another --run-dir")
-
-
-def workers_message(run_dir: str, holder: Holder | None) -> str:
-    """The one line an acquirer gets while workers of a job whose launcher is gone still
-    hold ``.lock.workers`` (pure)."""
-    who = f"its launcher was {holder.describe()}" if holder else "its launcher left no record"
-    return (f"run dir {run_dir} is still written by workers of a job whose launcher is gone ({who}; lock "
-            f"{os.path.join(run_dir, WORKERS_LOCK_NAME)} held): wait for them to exit, stop them, or use another --run-dir")
-
-
-def stale_message(run_dir: str, holder: Holder | None, *, alive: bool | None, job: str | None = None) -> str:
-    """The line logged when a dead holder's lock is taken over, once no worker of its holds
-    ``.lock.workers`` either (pure). ``alive``: whether its pid runs (None: another host,
-    not known); ``job``: the taker's (its own job's previous round held it: a restart)."""
-    who = holder.describe() if holder else "an unreadable record"
-    if waits_for(holder, job):
-        return f"nereus: run dir {run_dir}'s lock passes from this job's previous round ({who}) to this one"
-    if alive is None:
-        why = "its holder no longer holds it"
-    elif alive:
-        why = "that pid runs but does not hold it (a reused pid)"
-    else:
-        why = "that process has exited"
-    return f"nereus: took over the stale lock of run dir {run_dir} ({who}): {why}, and none of its workers holds the run dir"
 
 
 class RunLock:
@@ -216,14 +147,24 @@ class RunLock:
         self.took_over: str | None = None
         """The stale holder's line, when this acquire took a dead holder's lock over."""
         self._made_dir = False
+        self.kept = False
+        """``keep_until_exit`` was called: held until the process exits."""
 
-    def acquire(self, *, wait_same_job_s: float = 0.0) -> RunLock:
-        """Take the lock now; a holder of the same job (``waits_for``) is waited for up to
-        ``wait_same_job_s``. A stale record is taken over (``took_over``, logged on stderr)."""
+    def acquire(self, *, wait_same_job_s: float = 0.0, wait_workers_s: float | None = None) -> RunLock:
+        """Take the lock now. Waited for, all within one bound from the call on: a holder of the
+        same job (``waits_for``), up to ``wait_same_job_s``; a finished holder not yet exited and
+        workers still holding ``.lock.workers``, up to ``wait_workers_s`` (None:
+        ``wait_same_job_s`` when given — a worker's acquire, which the other ranks wait for in a
+        collective — else ``WORKERS_EXIT_WAIT_S``). This job's record is written before the
+        workers' check (``hold_for_worker``). A stale record is taken over (``took_over``, logged
+        on stderr); a finished job's quietly."""
+        if wait_workers_s is None:
+            wait_workers_s = wait_same_job_s if wait_same_job_s > 0 else WORKERS_EXIT_WAIT_S
         if not os.path.isdir(self.run_dir):
             os.makedirs(self.run_dir, exist_ok=True)
             self._made_dir = True
-        deadline = time.monotonic() + wait_same_job_s
+        start = time.monotonic()
+        same_until, exit_until = start + wait_same_job_s, start + max(wait_same_job_s, wait_workers_s)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             try:
@@ -231,7 +172,9 @@ class RunLock:
             except BlockingIOError:
                 holder = self._holder(fd)
                 os.close(fd)
-                if waits_for(holder, self.job) and time.monotonic() < deadline:
+                now = time.monotonic()
+                if (waits_for(holder, self.job) and now < same_until) or \
+                        (holder is not None and holder.finished is not None and now < exit_until):
                     time.sleep(0.2)
                     continue
                 self._forget_dir()
@@ -250,34 +193,74 @@ class RunLock:
                 os.close(fd)
                 continue
             break
-        previous = self._holder(fd, tries=1)
+        before = os.pread(fd, 4096, 0)
+        previous = parse_holder(before.decode(errors="replace"))
         try:
-            while not self._workers_free():  # a dead launcher's workers still run (module docstring)
-                if waits_for(previous, self.job) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    continue
-                raise RunDirBusy(workers_message(self.run_dir, previous))
+            # first the record: a dying job's late worker taking LOCK_SH after the check below reads it and stops
+            self._write(fd, {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "job": self.job})
+            self._wait_for_workers(previous, start, exit_until)
         except BaseException:
-            os.close(fd)  # the dead holder's record stays, for the next acquirer to name
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, before, 0)  # the dead holder's record stays, for the next acquirer to name
+            except OSError:
+                pass
+            os.close(fd)
             self._forget_dir()
             raise
         self.fd = fd
-        if previous is not None or os.fstat(fd).st_size:
+        _LOCKS.add(self)
+        if before.strip() and (previous is None or previous.finished is None):
             alive = pid_alive(previous.pid) if previous and previous.host == socket.gethostname() else None
             self.took_over = stale_message(self.run_dir, previous, alive=alive, job=self.job)
             print(self.took_over, file=sys.stderr, flush=True)
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "job": self.job}
+        return self
+
+    def _wait_for_workers(self, previous: Holder | None, start: float, until: float) -> None:
+        """Until no worker holds ``.lock.workers`` (a dead launcher's, a finished job's still
+        exiting), polling, at most until ``until``; then ``RunDirBusy`` naming who holds it."""
+        told = False
+        while not self._workers_free():
+            now = time.monotonic()
+            if now >= until:
+                held_by = describe_pids(holders(os.path.join(self.run_dir, WORKERS_LOCK_NAME)))
+                raise RunDirBusy(workers_message(self.run_dir, previous, job=self.job, held_by=held_by, waited_s=until - start))
+            if not told:
+                print(waiting_message(self.run_dir, previous, until - now), file=sys.stderr, flush=True)
+                told = True
+            time.sleep(0.1)
+
+    @staticmethod
+    def _write(fd: int, record: dict) -> None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         os.fsync(fd)
-        return self
+
+    def keep_until_exit(self, *, finished: bool) -> None:
+        """Hold the lock until this process exits (the kernel drops it then), never unlinked:
+        global rank 0's worker, whose threads (a staging write) and whose job's other ranks may
+        still be exiting. ``finished``: the job ended — its record says so (``Holder.finished``),
+        and an acquirer waits for it and its workers, then takes it over quietly. ``release``
+        does nothing afterwards."""
+        if self.fd is None:
+            return
+        self.kept = True
+        if finished:
+            try:  # a record that cannot be marked only costs the next acquirer its "finished" line
+                record = parse_holder(os.pread(self.fd, 4096, 0).decode(errors="replace"))
+                if record is not None:
+                    self._write(self.fd, {"host": record.host, "pid": record.pid, "started": record.started,
+                                          "job": record.job, "finished": time.time()})
+            except OSError:
+                pass
 
     def release(self) -> None:
         """Unlink the file while holding it, then close it (module docstring); the run dir
-        too when this lock made it and nothing else is in it."""
-        if self.fd is None:
+        too when this lock made it and nothing else is in it. Nothing after ``keep_until_exit``."""
+        if self.fd is None or self.kept:
             return
         fd, self.fd = self.fd, None
+        _LOCKS.discard(self)
         try:
             if self._still_named(fd):
                 os.unlink(self.path)
@@ -335,14 +318,65 @@ class RunLock:
 
 _HELD: dict[str, int] = {}
 """This process's ``.lock.workers`` descriptors by run dir (held until it exits)."""
+_LOCKS: set[RunLock] = set()
+"""This process's held ``RunLock``s (their descriptors are closed in a forked child)."""
 
 
-def hold_for_worker(run_dir: str, *, timeout_s: float = WORKER_LOCK_WAIT_S) -> None:
+def _drop_in_child() -> None:
+    """In a child forked from this process (a reward pool's, a DataLoader's worker: fork
+    without exec, which ``O_CLOEXEC`` does not cover): close the inherited descriptors of the
+    run dir's locks. A flock belongs to the open file description the fork shares, so an
+    orphaned child would hold the dead job's lock forever; closing its own copies leaves the
+    parent's lock as it is (no ``LOCK_UN``), and the child's ``RunLock`` forgets it (its
+    ``release`` cannot unlink the parent's file)."""
+    for lock in list(_LOCKS):
+        if lock.fd is not None:
+            try:
+                os.close(lock.fd)
+            except OSError:
+                pass
+            lock.fd = None
+    for fd in _HELD.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_in_child)
+
+
+def worker_identity() -> tuple[frozenset[int], str | None]:
+    """This worker's ``own_record`` ``pids`` (itself, and the Nereus launcher that spawned it)
+    and ``job`` (its agent run and launch, as rank 0's record names them), from the environment."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    launcher = spawned_by(os.environ.get(LAUNCHER_ENV), run)
+    pids = frozenset({os.getpid()} | ({launcher} if launcher is not None else set()))
+    return pids, job_identity(run, launch_of(os.environ.get(LAUNCH_ID_ENV), run))
+
+
+def read_record(run_dir: str) -> Holder | None:
+    """``RUN_DIR/.lock``'s record (None: no file, or none readable in it)."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return parse_holder(os.pread(fd, 4096, 0).decode(errors="replace"))
+    finally:
+        os.close(fd)
+
+
+def hold_for_worker(run_dir: str, *, timeout_s: float = WORKER_LOCK_WAIT_S, check: bool = True) -> None:
     """This worker's ``LOCK_SH`` on ``RUN_DIR/.lock.workers``, taken before it writes the run
     dir or its staging and held for the rest of the process's life — never released, so that
     a thread that outlives the worker's main one (its background staging) is still covered
     (module docstring). Idempotent. ``RunDirBusy`` when an acquirer's exclusive check holds it
-    for ``timeout_s``; ``NoFlock`` on a filesystem without ``flock``."""
+    for ``timeout_s``, and (``check``) when, once it is held, ``.lock``'s record is not this
+    worker's job's (``own_record``: a late worker of a dying job, after another job took the
+    run dir) — the lock is then let go; ``NoFlock`` on a filesystem without ``flock``."""
     run_dir = os.path.abspath(run_dir)
     if run_dir in _HELD:
         return
@@ -360,27 +394,15 @@ def hold_for_worker(run_dir: str, *, timeout_s: float = WORKER_LOCK_WAIT_S) -> N
                     raise RunDirBusy(f"run dir {run_dir}: {path} stayed locked exclusively for {timeout_s:.0f}s (another "
                                      "job checking the run dir): stop it, or use another --run-dir") from None
                 time.sleep(0.05)
+        if check:  # the acquirer wrote its record before its check: read after LOCK_SH, it is the holder's
+            pids, job = worker_identity()
+            record = read_record(run_dir)
+            if not own_record(record, host=socket.gethostname(), pids=pids, job=job):
+                raise RunDirBusy(not_own_message(run_dir, record))
     except BaseException:
         os.close(fd)
         raise
     _HELD[run_dir] = fd
-
-
-def launch_of(value: str | None, run_id: str | None) -> str | None:
-    """The launch id ``LAUNCH_ID_ENV``'s ``value`` names for the agent run ``run_id``, else
-    None (unset, malformed, or another launch's) (pure)."""
-    run, _, launch = (value or "").rpartition(":")
-    return launch if launch and run_id is not None and run == run_id else None
-
-
-def spawned_by(value: str | None, run_id: str | None) -> int | None:
-    """The launcher's pid ``LAUNCHER_ENV`` names when it names this worker's own agent run
-    ``run_id`` (``TORCHELASTIC_RUN_ID``), else None (unset, malformed, or inherited from
-    another launch: under torchrun) (pure)."""
-    pid, _, run = (value or "").partition(":")
-    if not pid.isdecimal() or run_id is None or run != run_id:
-        return None
-    return int(pid)
 
 
 def die_with_launcher() -> bool:

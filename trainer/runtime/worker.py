@@ -79,8 +79,9 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     fresh start's rank 0 refuses an earlier run's checkpoints, or deletes them with
     ``overwrite`` — never a restart. ``locked``: the launcher holds the run dir's lock
     (``trainer/elastic/run_lock.py``); else global rank 0 takes it before it looks at the run
-    dir and holds it until it exits; every rank holds ``LOCK_SH`` on ``RUN_DIR/.lock.workers``
-    from the start's decision on, for its process's life (``agree_start``); while another job holds it every rank raises
+    dir and holds it until its process exits (its record says "finished" once the job ended);
+    every rank holds ``LOCK_SH`` on ``RUN_DIR/.lock.workers`` from the start's decision on, for
+    its process's life (``agree_start``); while another job holds it every rank raises
     ``RunDirBusy`` (one line naming the run dir and the holder): the worker exits non-zero, so
     an elastic agent counts a failed round and restarts it while it may. Returns the last step's metrics, or ``{"error":
     message}`` on every rank when the job stopped on a non-finite loss (the last committed
@@ -101,6 +102,7 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
     agent_run = os.environ.get("TORCHELASTIC_RUN_ID")
     lock = RunLock(cfg.run_dir, job=agent_run, launch=launch_of(os.environ.get(LAUNCH_ID_ENV), agent_run)) \
         if not locked and dist.get_rank() == 0 else None
+    ended = True  # the job ended, unless the round fails with an exception below
     try:
         start = agree_start(cfg, resume, overwrite, lock)  # fresh: no earlier run's staged copy comes back
         if start.get("busy"):  # every rank: a failed round (non-zero exit), which the agent restarts while it may
@@ -112,10 +114,13 @@ def run_worker(cfg: JobConfig, resume: bool = False, overwrite: bool | None = No
             return started
         loop = _Loop.open(started["trainer"], started["first"], started["record"], times)
         return loop.run()
+    except BaseException:
+        ended = False
+        raise
     finally:
         dist.destroy_process_group()
-        if lock is not None:
-            lock.release()
+        if lock is not None:  # held until this process exits: its staging thread, other nodes' ranks may still write
+            lock.keep_until_exit(finished=ended)
 
 
 @dataclass(kw_only=True)

@@ -1,8 +1,10 @@
 """One job per run dir, and nothing of a job's left in /dev/shm: the run dir's lock (a live holder
-named, a stale one taken over, a dead launcher's live workers refusing it, a filesystem without
-flock, a busy one failing the round non-zero on several nodes, torchrun's default run id and
-another launch of a reused one never "the same job"), a SIGKILLed launcher's worker dying with
-it, a second `nereus train` refused at once while the first completes, and the job's own
+named, a stale one taken over, a dead launcher's live workers refusing it and named by pid, a
+finished job's exiting holder and workers waited for, a forked child keeping no lock, a worker of
+another job stopping, a filesystem without flock — `nereus train` exits 2 —, a busy one failing
+the round non-zero on several nodes, torchrun's default run id and another launch of a reused one
+never "the same job"), a SIGKILLed launcher's worker dying with it, a second `nereus train`
+refused at once while the first completes, the semaphores' liveness by a lock, and the job's own
 /dev/shm entries before and after a clean run and a SIGKILLed run + resume."""
 
 import json
@@ -57,6 +59,10 @@ def test_the_lock_names_its_live_holder_and_takes_a_dead_ones_over(tmp_path, cap
     assert os.listdir(run_dir) == []  # a run dir that was there stays
 
 
+def _comm(pid: int | str = "self") -> str:
+    return open(f"/proc/{pid}/comm").read().strip()
+
+
 def _let_go(run_dir) -> None:
     """Drop this test process's ``hold_for_worker`` of ``run_dir`` (a worker never does)."""
     os.close(run_lock._HELD.pop(os.path.abspath(str(run_dir))))
@@ -73,20 +79,22 @@ def test_workers_of_a_dead_launcher_keep_the_run_dir_busy_though_its_lock_is_fre
     record = {"host": os.uname().nodename, "pid": dead, "started": time.time() - 60, "job": "j@launch-a"}
     with open(os.path.join(run_dir, ".lock"), "w") as f:
         json.dump(record, f)
-    hold_for_worker(run_dir)
-    hold_for_worker(run_dir)  # idempotent: one descriptor per process
+    hold_for_worker(run_dir, check=False)  # a worker of that job: its record is not this process's
+    hold_for_worker(run_dir, check=False)  # idempotent: one descriptor per process
     try:
         with pytest.raises(RunDirBusy) as busy:
-            RunLock(run_dir).acquire()
-        assert str(busy.value) == workers_message(run_dir, parse_holder(json.dumps(record)))
+            RunLock(run_dir).acquire(wait_workers_s=0)
+        assert str(busy.value) == workers_message(run_dir, parse_holder(json.dumps(record)),
+                                                  held_by=f"pid {os.getpid()} ({_comm()})")  # the holder, from /proc
         assert str(busy.value).startswith(f"run dir {run_dir} is still written by workers of a job whose launcher is gone "
                                           f"(its launcher was pid {dead} on host ")
-        assert f"lock {run_dir}/.lock.workers held" in str(busy.value)
+        assert f"held by pid {os.getpid()} " in str(busy.value) and f"lock {run_dir}/.lock.workers held" in str(busy.value)
         assert parse_holder(open(os.path.join(run_dir, ".lock")).read()).pid == dead  # left for the next acquirer to name
         t0 = time.monotonic()
-        with pytest.raises(RunDirBusy, match="still written by workers"):
+        with pytest.raises(RunDirBusy, match="still written by workers of this job's previous round \\(pid "):
             RunLock(run_dir, job="j", launch="launch-a").acquire(wait_same_job_s=0.5)  # its own job: waited for, bounded
         assert 0.5 <= time.monotonic() - t0 < 5
+        assert parse_holder(open(os.path.join(run_dir, ".lock")).read()).pid == dead  # a refused acquirer's record undone
     finally:
         _let_go(run_dir)
     lock = RunLock(run_dir).acquire()  # the workers are gone: taken over
@@ -107,7 +115,7 @@ _WORKER = """
 import os, sys, threading, time
 from nereus.trainer.elastic.run_lock import die_with_launcher, hold_for_worker
 armed = die_with_launcher()
-hold_for_worker(sys.argv[1])
+hold_for_worker(sys.argv[1], check=False)  # no launcher's record: this test's launcher takes no lock
 threading.Thread(target=time.sleep, args=(120,)).start()  # non-daemon, like the background staging write
 open(os.path.join(sys.argv[1], "worker"), "w").write(f"{os.getpid()} {armed}")
 time.sleep(120)
@@ -128,17 +136,11 @@ def test_a_sigkilled_launchers_worker_dies_with_it_and_only_then_frees_the_run_d
             time.sleep(0.02)
         pid, armed = (run_dir / "worker").read_text().split()
         assert armed == ("True" if sys.platform.startswith("linux") else "False")
-        with pytest.raises(RunDirBusy, match="is still written by workers of a job whose launcher is gone"):
-            RunLock(str(run_dir)).acquire()  # .lock is free: nobody holds it
+        with pytest.raises(RunDirBusy, match=f"is still written by workers of a job whose launcher is gone .*held by pid {pid} "):
+            RunLock(str(run_dir)).acquire(wait_workers_s=0)  # .lock is free: nobody holds it
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=10)
-        deadline, lock = time.monotonic() + 10, None
-        while lock is None and time.monotonic() < deadline:
-            try:
-                lock = RunLock(str(run_dir)).acquire()
-            except RunDirBusy:
-                time.sleep(0.05)
-        assert lock is not None, "the worker outlived its launcher by 10 s"
+        lock = RunLock(str(run_dir)).acquire(wait_workers_s=10)  # a resume at once: waits for the worker's exit
         lock.release()
         try:  # gone, or a zombie its new parent (this container's init) has not reaped
             assert open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
@@ -289,31 +291,57 @@ def test_a_busy_run_dir_on_several_nodes_fails_every_round_non_zero_naming_the_h
 
 
 def test_the_agents_semaphores_carry_the_run_and_a_later_launch_removes_a_killed_ones(tmp_path):
+    """A launcher's semaphores carry the run and its key, and it holds a sentinel locked while it
+    lives; a later launch removes a key's files only when its sentinel is unlocked — never by a
+    pid, which another pid namespace sharing /dev/shm (--ipc=host) may reuse."""
+    import fcntl
     import gc
     import multiprocessing
 
-    from nereus.launch import named_semaphores, remove_stale_semaphores, sem_pid, stale_semaphores
+    from nereus.launch import (drop_sentinels, hold_sentinel, launcher_alive, named_semaphores, remove_stale_semaphores,
+                               sem_owner, sentinel_path, stale_semaphores)
 
     tag = f"test{os.getpid()}"
     with named_semaphores(tag):
         lock = multiprocessing.get_context("spawn").Lock()  # what torch's agent makes for its queues and events
     made = stale_semaphores(tag)
-    assert len(made) == 1 and os.path.basename(made[0]).startswith(f"sem.nereus-{tag}.{os.getpid()}-")
+    key = hold_sentinel(tag)
+    assert key.startswith(f"{os.getpid()}.") and len(made) == 1
+    assert os.path.basename(made[0]).startswith(f"sem.nereus-{tag}.{key}-") and sem_owner(os.path.basename(made[0]), tag) == key
+    assert launcher_alive(tag, key) is True and os.path.exists(sentinel_path(tag, key))
     assert remove_stale_semaphores(tag) == [] and stale_semaphores(tag) == made  # its launcher (this process) runs: kept
     del lock
     gc.collect()
     assert stale_semaphores(tag) == []  # a clean exit unlinks them
-    dead = _dead_pid()
-    assert sem_pid(f"sem.nereus-{tag}.{dead}-abcd1234", tag) == dead and sem_pid(f"sem.nereus-{tag}-abcd1234", tag) is None
-    for name in (f"sem.nereus-{tag}.{dead}-abcd1234",  # what a SIGKILLed launcher's group left, on any node
-                 f"sem.nereus-{tag}.{os.getppid()}-abcd1234",  # a live launch's (another node's agent on this host)
-                 f"sem.nereus-{tag}-abcd1234",  # an older Nereus's: no pid, so only under the run dir's lock
-                 "sem.mp-abcd1234"):  # another program's
-        (tmp_path / name).write_bytes(b"x")
-    assert [os.path.basename(p) for p in remove_stale_semaphores(tag, str(tmp_path))] == [f"sem.nereus-{tag}.{dead}-abcd1234"]
-    assert [os.path.basename(p) for p in remove_stale_semaphores(tag, str(tmp_path), locked=True)] == \
-        [f"sem.nereus-{tag}-abcd1234"]
-    assert sorted(os.listdir(tmp_path)) == sorted([f"sem.nereus-{tag}.{os.getppid()}-abcd1234", "sem.mp-abcd1234"])
+    drop_sentinels()  # at exit
+    assert not os.path.exists(sentinel_path(tag, key)) and launcher_alive(tag, key) is None
+    assert sem_owner(f"sem.nereus-{tag}.123-abcd1234", tag) is None and sem_owner(f"sem.nereus-{tag}-abcd1234", tag) is None
+
+    shm = str(tmp_path)
+    dead, live, gone = f"{os.getppid()}.0000dead", f"{_dead_pid()}.0000a11e", "77.000000ff"
+    for k in (dead, live):
+        open(sentinel_path(tag, k, shm), "w").close()
+    holder = os.open(sentinel_path(tag, live, shm), os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another namespace's live launcher: its pid means nothing here
+    try:
+        for name in (f"sem.nereus-{tag}.{dead}-abcd1234",  # what a SIGKILLed launcher's group left, on any node
+                     f"sem.nereus-{tag}.{live}-abcd1234",  # a live launch's (another node's agent on this host)
+                     f"sem.nereus-{tag}.{gone}-abcd1234",  # no sentinel: a launcher at its very end
+                     f"sem.nereus-{tag}.{_dead_pid()}-abcd1234",  # an older Nereus's (pid only)
+                     f"sem.nereus-{tag}-abcd1234",  # an older Nereus's (no pid)
+                     "sem.mp-abcd1234"):  # another program's
+            (tmp_path / name).write_bytes(b"x")
+        assert launcher_alive(tag, dead, shm) is False and launcher_alive(tag, live, shm) is True
+        assert launcher_alive(tag, gone, shm) is None
+        assert [os.path.basename(p) for p in remove_stale_semaphores(tag, shm)] == \
+            [f"sem.nereus-{tag}.{dead}-abcd1234", f"nereus-{tag}.{dead}.launcher"]
+        left = sorted(os.listdir(tmp_path))
+        assert sorted(os.path.basename(p) for p in remove_stale_semaphores(tag, shm, locked=True)) == \
+            sorted(n for n in left if n.startswith(f"sem.nereus-{tag}") and live not in n)  # under the run dir's lock
+        assert sorted(os.listdir(tmp_path)) == sorted([f"sem.nereus-{tag}.{live}-abcd1234", f"nereus-{tag}.{live}.launcher",
+                                                       "sem.mp-abcd1234"])
+    finally:
+        os.close(holder)
 
 
 def _cli(*args, log=None) -> subprocess.Popen:
@@ -335,12 +363,13 @@ def _shm() -> set[str]:
 
 
 def _shm_of(run_dir) -> list[str]:
-    """This job's entries in /dev/shm: its staging dir and its agents' semaphores (named by
-    its run id: ``sem.nereus-<run id>.<launcher pid>-*``)."""
+    """This job's entries in /dev/shm: its staging dir, its agents' semaphores (named by its
+    run id: ``sem.nereus-<run id>.<launcher key>-*``) and its launchers' sentinels."""
     from nereus.trainer.elastic.staging import run_id
 
     rid = run_id(str(run_dir))
-    return sorted(n for n in _shm() if n == f"nereus-{rid}" or n.startswith((f"sem.nereus-{rid}.", f"sem.nereus-{rid}-")))
+    return sorted(n for n in _shm() if n == f"nereus-{rid}" or n.startswith((f"sem.nereus-{rid}.", f"sem.nereus-{rid}-",
+                                                                              f"nereus-{rid}.")))
 
 
 def _leaked(before: set[str], run_dir) -> list[str]:
