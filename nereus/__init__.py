@@ -3,6 +3,13 @@
 The sub-packages live in root folders mapped here by pyproject.toml:
 ``nereus.reshard`` (reshard/), ``nereus.store`` (store/), ``nereus.trainer``
 (trainer/), ``nereus.cli`` (cli/), ``nereus.configs`` (configs/: job configs as package data).
+
+This folder's own files:
+
+- ``launch``      N local worker processes through torch.distributed's elastic launcher, or one
+                  worker under torchrun; the agent's restarts and every round's store published
+- ``rendezvous``  torchrun's rendezvous backend ``nereus`` (``--rdzv-backend nereus``): c10d with
+                  every round's workers' store published
 """
 
 import os as _os

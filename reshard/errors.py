@@ -1,6 +1,6 @@
 """Errors raised by resharding, each naming the tensor, rank or layout at fault.
 
-Every check that can fail runs before any byte moves (DESIGN.md, principle 4), so
+Every check that can fail runs before any byte moves (docs/architecture.md, principle 5), so
 catching one of these means the source state is untouched.
 """
 

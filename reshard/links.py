@@ -18,7 +18,7 @@ from .plan import STAGED
 
 # Priors, to be calibrated (``calibrate``) against measured transfers of the job's cluster.
 # local: copy_ into an existing buffer, ~11 GB/s; node: gloo on loopback, ~1.3 GB/s one way,
-# ~50 us per message (BASELINES.md); cross: a plausible InfiniBand link (12 GB/s, 20 us);
+# ~50 us per message (measured on a 2-core CPU); cross: a plausible InfiniBand link (12 GB/s, 20 us);
 # staged: a read from a checkpoint on /dev/shm (tensorstore ~1.6 GB/s, 100 us per read).
 DEFAULT_ALPHA = {"local": 5e-6, "node": 50e-6, "cross": 20e-6, "staged": 100e-6}
 DEFAULT_BETA = {"local": 11e9, "node": 1.3e9, "cross": 12e9, "staged": 1.6e9}
@@ -42,7 +42,7 @@ class LinkCost:
 
     ``alpha`` (s) and ``beta`` (bytes/s) are tuples in ``LINK_CLASSES`` order ("local",
     "node", "cross", "staged"); a mapping of some classes may be passed instead, the others
-    keep the defaults (priors from BASELINES.md, see ``DEFAULT_ALPHA``/``DEFAULT_BETA``).
+    keep the defaults (priors, see ``DEFAULT_ALPHA``/``DEFAULT_BETA``).
     Two ranks share a node when ``rank // ranks_per_node`` is equal.
     """
 

@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md ("Dependency direction") that import-linter cannot state, and its contracts.
+"""The import rules of docs/architecture.md ("Dependency rules") that import-linter cannot state, and its contracts.
 
 - no import circle: strongly connected components of grimp's module graph of ``nereus``
   (function-level imports count), a package dropped from its own children's circle, as

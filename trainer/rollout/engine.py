@@ -4,10 +4,12 @@ Two engines implement ``RolloutEngine``: the built-in generator (``generator.py`
 Nereus decoder in ``actor.gen``'s own layout, any tp, pp=1) and vLLM (``vllm_engine.py``:
 vLLM's fused q/k/v and gate/up buffers are ``actor.gen``'s live parameters, over every rank
 of the world). ``check_rollout_plan`` holds the rules a plan must meet for its engine; the
-config check (``trainer/prepare.py``, before any worker starts), the stage builder
-(``trainer/runtime/stages.py``) and the search (which offers only plans these rules admit)
-ask it, and the vLLM-specific layout rules live beside vLLM's layout in
-``vllm_engine.check_vllm_plan`` / ``check_vllm_on_cpu``.
+config check (``trainer/prepare.py``, before any worker starts) and the stage builder
+(``trainer/runtime/stages.py``) ask it. The search (``trainer/controller/search.py``) does
+not: it builds only ``actor.gen`` layouts that meet them (pp=1, fused under vLLM, on every
+rank, tp=1 on vLLM's CPU build). The vLLM-specific layout rules live beside vLLM's layout in
+``vllm_layout.check_vllm_plan`` (re-exported by ``vllm_engine``); what vLLM's CPU build
+cannot run is ``vllm_engine.check_vllm_on_cpu``.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ state, so ``compare(results)`` measures how far the update depends on the layout
 largest relative difference, per tensor max|a − b| / max|b|, against the first plan (and
 per metric, ``metric_error``).
 
-DESIGN.md's principle 4 says the update is the same under every plan up to floating-point
-reduction order. tests/trainer/runtime/test_layout_invariance.py holds everything to 1e-10 in
-float64; in float32 it holds metrics to 1e-6 and AdamW's moments to 4e-6, and parameters
-only within the slope of Adam's update (lr·g/(|g| + ε) turns a 1e-6 gradient difference
-into up to 2·lr where |g| is near ε). tools/bench_train.py reports the float32 figures
+The update is the same under every plan up to floating-point reduction order
+(docs/architecture.md, principle 4; docs/correctness.md).
+tests/trainer/runtime/test_layout_invariance.py holds everything to 1e-10 in float64; in
+float32 it holds metrics to 1e-6 and AdamW's moments to 4e-6, and parameters only within the
+slope of Adam's update (lr·g/(|g| + ε) turns a 1e-6 gradient difference into up to 2·lr
+where |g| is near ε). tools/bench_train.py reports the float32 figures
 (``layout_invariance_max_rel_err``: parameters) and the float64 one.
 """
 

@@ -49,7 +49,7 @@ def plan_of(train: dict, *, gen: dict | None = None, infer: dict | None = None) 
 
 # ---------------------------------------------------------------------------------------------- boundary
 
-FORBIDDEN = {"controller", "truth", "policies"}
+FORBIDDEN = {"controller", "policies", "baselines"}
 ALLOWED = ("numpy", "yaml", "nereus.reshard", "nereus.trainer.config")
 
 
@@ -70,16 +70,16 @@ def _violations(source: str) -> list[str]:
     out = []
     for name, level in _imports(ast.parse(source)):
         parts = set(name.split("."))
-        if parts & FORBIDDEN or level >= 2:  # nothing of the controller, truth or policies; nothing outside the package by `..`
+        if parts & FORBIDDEN or level >= 2:  # nothing of the controller, policies or baselines; nothing outside the package by `..`
             out.append("." * level + name)
         elif level == 0 and "." in name and name.startswith("nereus") and not name.startswith(ALLOWED):
             out.append(name)
     return out
 
 
-def test_the_world_imports_nothing_of_the_controller_nor_the_old_truth():
-    planted = "def f():\n    from ..controller.steptime import StepTimeModel\n    import nereus.trainer.simulate.truth\n"
-    assert _violations(planted) == ["..controller.steptime", "..controller.steptime.StepTimeModel", "nereus.trainer.simulate.truth"]
+def test_the_world_imports_nothing_of_the_controller_policies_or_baselines():
+    planted = "def f():\n    from ..controller.steptime import StepTimeModel\n    import nereus.trainer.simulate.baselines\n"
+    assert _violations(planted) == ["..controller.steptime", "..controller.steptime.StepTimeModel", "nereus.trainer.simulate.baselines"]
     assert _violations("from ...controller import memory\nfrom .. import policies\n")
     files = sorted(PACKAGE.glob("*.py"))
     assert len(files) >= 8
