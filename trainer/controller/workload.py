@@ -8,8 +8,9 @@ runs ``epochs`` passes over mini-batches of ``minibatch`` rows.
 ``Workload.from_config`` is the planner's view before any step (responses as long as
 ``rollout.max_new_tokens``, or, at a given step of a length curriculum, as that step's cap);
 ``Workload.observed`` the controller's, from recorded steps:
-the last step's lengths, extrapolated one step by their recent trend and capped by the
-config, so that a plan is chosen for the step about to run, not the one just done.
+the last step's lengths, extrapolated by their recent trend (a robust slope over the last 30
+steps) and capped by the config, so that a plan is chosen for the steps about to run, not the
+one just done.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..config import JobConfig
+
+TREND_WINDOW = 30
+"""Steps the length forecast fits its trend on (``Workload.observed``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,19 +71,38 @@ class Workload:
         return replace(self, response_max=int(response_max), response_mean=float(response_mean or response_max))
 
     @classmethod
-    def observed(cls, cfg: JobConfig, lengths: Sequence[tuple[int, float]], *, trend_steps: int = 5, ahead: int = 1,
+    def observed(cls, cfg: JobConfig, lengths: Sequence[tuple[int, float]], *, window: int = TREND_WINDOW, ahead: int = 1,
                  prompt_mean: float | None = None) -> Workload:
         """The workload ``ahead`` steps on from the ``(response_max, response_mean)`` of the
-        steps so far (oldest first): the last one plus ``ahead`` times its mean growth per
-        step over the last ``trend_steps``, never below the last, never above
+        steps so far (oldest first): the last one plus ``ahead`` times its growth per step, the
+        robust slope of the last ``window`` steps (``trend``), never below the last, never above
         ``rollout.max_new_tokens``; before any step, the first step's (``from_config``).
-        ``prompt_mean``: the prompts' mean real tokens seen (None: the longest prompt's)."""
+        ``prompt_mean``: the prompts' mean real tokens seen (None: the longest prompt's).
+
+        A one-step jump J of the last longest response moves the forecast by J (the last step
+        is its floor) plus ``ahead`` times the slope's shift, which one point among ``window``
+        barely moves (``trend``); the endpoint slope over 5 steps it replaces moved it by
+        J · (1 + ahead / 5)."""
         base = replace(cls.from_config(cfg), prompt_mean=prompt_mean)
         if not lengths:
             return replace(cls.from_config(cfg, step=0), prompt_mean=prompt_mean)
-        recent = list(lengths[-(trend_steps + 1):])
+        recent = list(lengths[-window:])
         last_max, last_mean = recent[-1]
-        growth = max(0.0, (recent[-1][0] - recent[0][0]) / max(len(recent) - 1, 1))
-        growth_mean = max(0.0, (recent[-1][1] - recent[0][1]) / max(len(recent) - 1, 1))
         cap = cfg.rollout.max_new_tokens
-        return base.at(min(cap, round(last_max + ahead * growth)), min(float(cap), last_mean + ahead * growth_mean))
+        longest = last_max + ahead * trend([m for m, _ in recent])
+        mean = last_mean + ahead * trend([m for _, m in recent])
+        return base.at(min(cap, round(longest)), min(float(cap), mean))
+
+
+def trend(values: Sequence[float]) -> float:
+    """Growth per step of ``values`` (one per step, oldest first), never below 0: the
+    Theil–Sen slope, the median of the slopes between every pair of points. A point that jumps
+    changes only the pairs it is in (n − 1 of n(n − 1)/2), which shift the median by a few
+    ranks at most: on a clean ramp not at all. Fewer than two points: 0."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    slopes = sorted((values[j] - values[i]) / (j - i) for i in range(n) for j in range(i + 1, n))
+    mid = len(slopes) // 2
+    median = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+    return max(0.0, median)
