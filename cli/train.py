@@ -94,7 +94,7 @@ def hold_run_dir(run_dir: str, nnodes: str) -> Iterator[bool]:
         yield False
         return
     if parse_nnodes(nnodes)[1] > 1:
-        remove_stale_semaphores(run_id(run_dir))  # only those whose launcher pid is gone: other launches may run
+        remove_stale_semaphores(run_id(run_dir))  # only dead launchers' (sentinel unlocked): other launches may run
         yield False
         return
     try:
@@ -114,7 +114,7 @@ def preflight(cfg, max_restarts: int = 0) -> None:
     """What the workers will need, checked here once before any launch (exit 2 with one
     line): this node's staging dir (its owner and mode, when staging may be on), the device,
     the trackers' packages, model directories, data files, tokenizer and reward function."""
-    from nereus.trainer.config import ConfigError
+    from nereus.trainer.config import MODEL_SECTIONS, ConfigError
     from nereus.trainer.prepare import resolve_device
     from nereus.trainer.data.rewards import RewardError
     from nereus.trainer.data.prompts import check_inputs
@@ -136,7 +136,7 @@ def preflight(cfg, max_restarts: int = 0) -> None:
     except (ConfigError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    for key in ("model", "critic", "reward_model"):
+    for key in MODEL_SECTIONS:
         model = getattr(cfg, key)
         if model is not None and model.path and not Path(model.path).is_dir():
             typer.echo(f"error: {key}.path {model.path!r} does not exist (a HuggingFace model directory)", err=True)

@@ -4,7 +4,8 @@
   (function-level imports count), a package dropped from its own children's circle, as
   ``../shared/tools/house_check.py`` does (an ``__init__`` that re-exports its children);
 - no ``from X import _private`` across files of the package (an AST walk of every file);
-- no direct ``torch.distributed`` in ``trainer/controller/`` and ``trainer/simulate/``;
+- no ``torch.distributed`` in ``trainer/controller/`` and ``trainer/simulate/``, nor in any module
+  they reach (``reshard/plan.py`` aside: it builds on DCP's planner classes);
 - the ``.importlinter`` contracts, run in-process (``.ci/run`` runs them as a command too).
 
 grimp sees the folders that pyproject.toml maps into ``nereus`` because ``nereus`` is imported
@@ -212,6 +213,26 @@ def test_controller_and_simulate_import_no_torch_distributed():
     assert "nereus.trainer.controller.search" in files and "nereus.trainer.simulate.replay" in files
     found = distributed_imports(files)
     assert not found, "torch.distributed imported by controller/ or simulate/ (pure rooms: no process group):\n" + "\n".join(found)
+
+
+REACHED_EXEMPT = {"nereus.reshard.plan"}
+"""Reached from controller/ and simulate/ and allowed its torch.distributed: the overlap plan
+builds on torch.distributed.checkpoint's planner classes (metadata only, no process group)."""
+
+
+def test_nothing_controller_and_simulate_reach_imports_torch_distributed(edges):
+    """The same rule for every module they reach, through any chain of imports (a pure room
+    that imports a module that imports torch.distributed is not pure)."""
+    files = module_files()
+    start = [m for m in edges if m.startswith(("nereus.trainer.controller", "nereus.trainer.simulate"))]
+    seen, todo = set(start), deque(start)
+    while todo:
+        for nxt in edges.get(todo.popleft(), ()):
+            if nxt not in seen and nxt not in REACHED_EXEMPT:
+                seen.add(nxt)
+                todo.append(nxt)
+    found = distributed_imports({m: files[m] for m in seen if m in files})
+    assert not found, "torch.distributed reached from controller/ or simulate/:\n" + "\n".join(found)
 
 
 def test_the_import_linter_contracts_hold(capsys):

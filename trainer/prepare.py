@@ -20,7 +20,7 @@ import yaml
 
 from nereus.reshard.errors import LayoutError
 
-from .config import HYPERPARAMETERS, ConfigError, DataConfig, JobConfig, RolloutConfig, apply_overrides, build_tree, check_config, decoder_spec
+from .config import DEFAULT_ALGORITHM, HYPERPARAMETERS, MODEL_SECTIONS, ConfigError, DataConfig, JobConfig, RolloutConfig, apply_overrides, build_tree, check_config, decoder_spec
 from .config.loader import YamlLoader
 from .controller.memory import check_memory
 from .controller.profiles import ProfileError, load_profile
@@ -66,9 +66,6 @@ def load_config(source: str | os.PathLike | Mapping, overrides: Sequence[str] = 
     except ConfigError as e:
         raise ConfigError(f"{where}{e}") from None
     return cfg
-
-
-MODEL_SECTIONS = ("model", "critic", "reward_model")
 
 
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -168,7 +165,7 @@ def _seed_plan(data: Mapping) -> dict:
     """A one-rank plan of the model-stages a job needs: only so that ``plan: auto`` jobs
     build and validate before the search replaces it."""
     one = {"ranks": [0]}
-    name = data.get("algorithm", "ppo")
+    name = data.get("algorithm", DEFAULT_ALGORITHM)
     section = HYPERPARAMETERS.get(name) if isinstance(name, str) else None  # None: the loader names the bad algorithm
     default = section().kl_coef if section is not None else 0.0
     given = data.get(name) if section is not None else None
@@ -205,7 +202,7 @@ def _resolve_vocab(cfg: JobConfig) -> JobConfig:
     tokenizer's; with ``model.path`` it came from its config.json)."""
     fix = {}
     if cfg.data is not None:
-        unresolved = [k for k in ("model", "critic", "reward_model") if getattr(cfg, k) is not None and getattr(cfg, k).vocab_size is None]
+        unresolved = [k for k in MODEL_SECTIONS if getattr(cfg, k) is not None and getattr(cfg, k).vocab_size is None]
         if not unresolved:
             return cfg
         path = cfg.tokenizer.path or cfg.model.path
@@ -223,7 +220,7 @@ def _resolve_vocab(cfg: JobConfig) -> JobConfig:
                 raise ConfigError(f"config key '{unresolved[0]}.vocab_size' is not set and the tokenizer cannot give it: {e}") from None
     else:
         vocab = _task(cfg).vocab_size
-    for key in ("model", "critic", "reward_model"):
+    for key in MODEL_SECTIONS:
         m = getattr(cfg, key)
         if m is not None and m.vocab_size is None:
             fix[key] = dataclasses.replace(m, vocab_size=vocab)
@@ -300,13 +297,13 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
     defaults to ``LOCAL_WORLD_SIZE`` (set by torchrun and the elastic launcher), else
     ``nproc``. ``auto`` is cuda when CUDA has that many devices, else cpu; ``cuda`` without
     them is a ConfigError naming the key; so is ``rollout.engine: vllm`` where vLLM is not
-    installed (``vllm_engine.vllm_missing``). An environment check, so not part of ``check_job``:
+    installed (``vllm_install.vllm_missing``). An environment check, so not part of ``check_job``:
     a GPU config still loads (and its memory plan checks) on a CPU machine.
     """
     import torch
 
     if cfg.rollout.engine == "vllm":  # the other environment check before launch: vLLM is installed
-        from .rollout.vllm_engine import vllm_missing
+        from .rollout.vllm_install import vllm_missing
 
         if (why := vllm_missing()) is not None:
             raise ConfigError(f"rollout.engine: vllm, but {why}")
@@ -328,8 +325,8 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
 
 def check_vllm_on_cpu(cfg: JobConfig) -> None:
     """What vLLM's CPU build cannot run, as a ConfigError before any worker starts
-    (``rollout/vllm_engine.py: check_vllm_on_cpu``)."""
-    from .rollout.vllm_engine import check_vllm_on_cpu as check
+    (``rollout/vllm_layout.py: check_vllm_on_cpu``)."""
+    from .rollout.vllm_layout import check_vllm_on_cpu as check
 
     try:
         check(decoder_spec(cfg.model), cfg.plan.actor.gen.tp)

@@ -11,7 +11,11 @@ every trained number, and tests pin them.
 - ``row_seed(seed, row)``: vLLM's per-request seed of one rollout row, the same step of ``mix``;
 - ``param_seed(seed, name)``: a parameter's own init generator, (seed · 1,000,003 + crc32(name))
   mod 2^63, so a pipeline stage or a tied copy draws what the whole model draws;
-- ``epoch_seed(seed, epoch)``: a dataset epoch's permutation, 63 bits of blake2b.
+- ``epoch_seed(seed, epoch)``: a dataset epoch's permutation, 63 bits of blake2b;
+- ``model_seed(seed, model)``: a model's initialisation (and a fresh value head's): the
+  job's seed, + 1 for the critic, so that a critic of the actor's shapes starts elsewhere;
+- the validation set's sample of ``validation.max_prompts`` prompts draws from the job's seed
+  itself (``data/prompts.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ def row_seed(seed: int, row: int) -> int:
 
 def param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def model_seed(seed: int, model: str) -> int:
+    """The init seed of ``model`` (actor, critic, ref, reward: a model-stage's first part)."""
+    return seed + (1 if model == "critic" else 0)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

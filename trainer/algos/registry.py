@@ -53,7 +53,7 @@ class PPO:
     critic = PPOConfig.critic
 
     def advantages(self, cfg, batch: dict, scores: torch.Tensor) -> dict[str, float]:
-        hp = cfg.ppo
+        hp = cfg.algo_hp
         adv, returns, metrics = ppo.compute_advantages(
             scores, batch["old_values"], batch["response_mask"], old_logprobs=batch.get("old_logprobs"),
             ref_logprobs=batch.get("ref_logprobs"), kl_coef=hp.kl_coef, kl_in_reward=hp.kl_in_reward,
@@ -63,7 +63,7 @@ class PPO:
         return metrics
 
     def models(self, cfg) -> list[Trained]:
-        hp = cfg.ppo
+        hp = cfg.algo_hp
         actor = _policy(hp, kl_coef=0.0 if hp.kl_in_reward else hp.kl_coef)
 
         def critic(values, mb):
@@ -80,13 +80,13 @@ class GRPO:
     critic = GRPOConfig.critic
 
     def advantages(self, cfg, batch: dict, scores: torch.Tensor) -> dict[str, float]:
-        hp = cfg.grpo
+        hp = cfg.algo_hp
         adv, metrics = grpo.group_advantages(scores, cfg.rollout.samples_per_prompt, scale_by_std=hp.scale_by_std, eps=hp.eps)
         batch["advantages"] = adv[:, None].expand_as(batch["response_mask"]).contiguous()
         return metrics
 
     def models(self, cfg) -> list[Trained]:
-        return [_policy(cfg.grpo, kl_coef=cfg.grpo.kl_coef)]
+        return [_policy(cfg.algo_hp, kl_coef=cfg.algo_hp.kl_coef)]
 
 
 def _policy(hp, *, kl_coef: float) -> Trained:

@@ -15,6 +15,8 @@ from .checks import check_config
 from .loader import YamlLoader, apply_overrides, build_tree, config_to_dict
 from .schema import (
     MIN_COLLECTIVE_TIMEOUT_S,
+    MODEL_SECTIONS,
+    DEFAULT_ALGORITHM,
     ActorPlan,
     Algorithm,
     ConfigError,
@@ -44,7 +46,7 @@ from .schema import (
 )
 
 __all__ = [
-    "MIN_COLLECTIVE_TIMEOUT_S", "ActorPlan", "Algorithm", "ConfigError", "ControllerConfig", "CriticPlan", "DataConfig", "ElasticConfig",
+    "DEFAULT_ALGORITHM", "MIN_COLLECTIVE_TIMEOUT_S", "MODEL_SECTIONS", "ActorPlan", "Algorithm", "ConfigError", "ControllerConfig", "CriticPlan", "DataConfig", "ElasticConfig",
     "GRPOConfig", "HYPERPARAMETERS", "InferPlan", "JobConfig", "LRScheduleConfig", "LoggingConfig", "ModelConfig", "PPOConfig", "PlanConfig",
     "RewardConfig", "RolloutConfig", "RopeScalingConfig", "StageConfig", "TaskConfig", "TokenizerConfig", "ValidationConfig",
     "YamlLoader", "apply_overrides", "build_tree", "check_config", "config_to_dict", "decoder_spec", "lr_schedules",

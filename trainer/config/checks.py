@@ -26,7 +26,7 @@ from nereus.reshard.derive import check_tp, plan_layer_ranges
 from nereus.reshard.errors import LayoutError
 
 from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, MODEL_STAGES, REF_INFER, REWARD_INFER
-from .schema import HYPERPARAMETERS, MIN_COLLECTIVE_TIMEOUT_S, ConfigError, JobConfig, StageConfig, decoder_spec, lr_schedules, warmup_from_ratio
+from .schema import HYPERPARAMETERS, MIN_COLLECTIVE_TIMEOUT_S, MODEL_SECTIONS, ConfigError, JobConfig, StageConfig, decoder_spec, lr_schedules, warmup_from_ratio
 
 
 class TaskShape(Protocol):
@@ -142,7 +142,7 @@ def _check_dataset(cfg: JobConfig) -> None:
     if d.max_prompt_length < 1:
         raise ConfigError(f"config key 'data.max_prompt_length' must be >= 1, got {d.max_prompt_length}")
     new = max(cfg.rollout.max_new_tokens, v.max_new_tokens or 0)
-    for key in ("model", "critic", "reward_model"):
+    for key in MODEL_SECTIONS:
         m = getattr(cfg, key)
         if m is None:
             continue
@@ -168,7 +168,7 @@ def _check_task(cfg: JobConfig, task: TaskShape) -> None:
             f"config key 'rollout.max_new_tokens'={cfg.rollout.max_new_tokens} is shorter than the "
             f"{task.max_answer_len} tokens of the task's longest answer (reward 1 is unreachable)"
         )
-    for key in ("model", "critic", "reward_model"):
+    for key in MODEL_SECTIONS:
         m = getattr(cfg, key)
         if m is None:
             continue

@@ -12,12 +12,35 @@ CRITIC_INFER = "critic.infer"
 REF_INFER = "ref.infer"
 REWARD_INFER = "reward.infer"
 
-ACTOR_TRAIN_INFER = f"{ACTOR_TRAIN}.infer"
-CRITIC_TRAIN_INFER = f"{CRITIC_TRAIN}.infer"
+OWN_FORWARD = ".infer"
+ACTOR_TRAIN_INFER = f"{ACTOR_TRAIN}{OWN_FORWARD}"
+CRITIC_TRAIN_INFER = f"{CRITIC_TRAIN}{OWN_FORWARD}"
 """A training layout's own forward (the old log-probs; the old values without critic.infer): a piece the step measures."""
+SYNC = "sync."
+"""The prefix of a weight sync's piece: ``sync.<the copy it fills>``."""
 
 MODEL_STAGES = (ACTOR_TRAIN, ACTOR_GEN, CRITIC_TRAIN, CRITIC_INFER, REF_INFER, REWARD_INFER)
 """Every model-stage a plan may place, in the plan's order."""
 
 SYNCED = {ACTOR_GEN: ACTOR_TRAIN, CRITIC_INFER: CRITIC_TRAIN}
 """A weight-synced copy -> the training stage whose weights stream into it every step."""
+
+
+def model_of(key: str) -> str:
+    """The model of a model-stage: ``critic`` of ``critic.train``."""
+    return key.split(".")[0]
+
+
+def sync_piece(key: str) -> str:
+    """The piece of the weight sync that fills synced copy ``key`` (``sync.actor.gen``)."""
+    return f"{SYNC}{key}"
+
+
+def piece_stage(name: str) -> str:
+    """The model-stage a measured piece runs on: a sync's destination, a training layout's own
+    forward's training stage, else ``name`` itself (a model-stage, or the step's bookkeeping)."""
+    if name.startswith(SYNC):
+        return name[len(SYNC):]
+    if name in (ACTOR_TRAIN_INFER, CRITIC_TRAIN_INFER):
+        return name[: -len(OWN_FORWARD)]
+    return name

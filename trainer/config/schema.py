@@ -19,6 +19,8 @@ from typing import ClassVar, Literal
 from nereus.reshard.derive import DecoderSpec
 from nereus.reshard.layout import ParallelConfig
 
+from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN
+
 
 class ConfigError(ValueError):
     """A job config that cannot run; the message names the dotted key at fault."""
@@ -177,9 +179,9 @@ class PPOConfig:
         """The token rewards read π_old before training (the k1 penalty), so the old-log-prob forward runs."""
         return self.kl_in_reward
 
-    def schedules(self) -> dict[str, LRScheduleConfig]:
-        """Key (in this section) -> schedule of each trained model, by model-stage order."""
-        return {"lr_schedule": self.lr_schedule, "critic_lr_schedule": self.critic_lr_schedule}
+    def optimizers(self) -> dict[str, tuple[float, str]]:
+        """Training model-stage -> (its AdamW peak learning rate, the key of its LR schedule here)."""
+        return {ACTOR_TRAIN: (self.lr, "lr_schedule"), CRITIC_TRAIN: (self.critic_lr, "critic_lr_schedule")}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,18 +204,24 @@ class GRPOConfig:
     min_samples_per_prompt: ClassVar[int] = 2  # a group's advantage needs a spread
     old_logprobs_in_rewards: ClassVar[bool] = False
 
-    def schedules(self) -> dict[str, LRScheduleConfig]:
-        """Key (in this section) -> schedule of each trained model: the actor's."""
-        return {"lr_schedule": self.lr_schedule}
+    def optimizers(self) -> dict[str, tuple[float, str]]:
+        """Training model-stage -> (its AdamW peak learning rate, the key of its LR schedule here)."""
+        return {ACTOR_TRAIN: (self.lr, "lr_schedule")}
 
+
+MODEL_SECTIONS = ("model", "critic", "reward_model")
+"""The job's model sections (``ModelConfig`` each; critic and reward_model optional)."""
 
 Algorithm = Literal["ppo", "grpo"]
 """The algorithms' names: each is the key of its hyperparameter section."""
 
+DEFAULT_ALGORITHM: Algorithm = "ppo"
+"""A job's algorithm when its config names none."""
+
 HYPERPARAMETERS: dict[str, type[PPOConfig] | type[GRPOConfig]] = {"ppo": PPOConfig, "grpo": GRPOConfig}
 """Each algorithm's hyperparameter section, by its name: ``JobConfig`` holds it under that name.
 What the config and the planners know of an algorithm (``critic``, ``min_samples_per_prompt``,
-``old_logprobs_in_rewards``, ``schedules()``, ``minibatch_size``, ``epochs``, ``kl_coef``) is read
+``old_logprobs_in_rewards``, ``optimizers()``, ``minibatch_size``, ``epochs``, ``kl_coef``) is read
 off this section; ``trainer/algos/registry.py`` holds the maths."""
 
 
@@ -365,7 +373,7 @@ class JobConfig:
     """One RL job: its algorithm, models, data, rollout, plan and runtime settings (``nereus train CONFIG``)."""
 
     seed: int = 0  # the job's seed: init, sampling, prompts and mini-batches are drawn from it (trainer/seeds.py)
-    algorithm: Algorithm = "ppo"  # its hyperparameters are the section of that name
+    algorithm: Algorithm = DEFAULT_ALGORITHM  # its hyperparameters are the section of that name
     steps: int = 40  # RL steps of the run (each: weight sync, generation, inference, training)
     nproc: int = 1  # worker processes, ranks 0 … nproc−1: local workers, or the whole world under torchrun
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where model-stages run; see resolve_device
@@ -418,6 +426,18 @@ class JobConfig:
         one_update = hp.epochs == 1 and hp.minibatch_size >= self.batch_size
         return one_update and not hp.old_logprobs_in_rewards
 
+    def own_forward(self, key: str) -> bool:
+        """Whether training stage ``key`` also runs a forward over the step's batch in its
+        training layout: the actor's old log-probs off-policy, the critic's old values
+        without a ``critic.infer``."""
+        return (key == ACTOR_TRAIN and not self.on_policy) or (key == CRITIC_TRAIN and CRITIC_INFER not in self.plan.stages())
+
+    def engine_owned(self, key: str) -> bool:
+        """Whether model-stage ``key``'s buffers are the rollout engine's own (``actor.gen``
+        under vLLM: vLLM's fused layout and memory share, written in place by the weight sync),
+        not a Nereus model's."""
+        return key == ACTOR_GEN and self.rollout.engine == "vllm"
+
     def stage_model(self, stage: str) -> tuple[str, ModelConfig, str]:
         """(config key, model config, head) of a dotted model-stage name."""
         model = stage.split(".")[0]
@@ -451,7 +471,8 @@ def decoder_spec(model: ModelConfig, *, head: str = "lm") -> DecoderSpec:
 def lr_schedules(cfg: JobConfig) -> dict[str, LRScheduleConfig]:
     """Config key -> schedule section of each trained model of the job, by model-stage order
     (actor, then the critic under PPO)."""
-    return {f"{cfg.algorithm}.{key}": schedule for key, schedule in cfg.algo_hp.schedules().items()}
+    hp = cfg.algo_hp
+    return {f"{cfg.algorithm}.{key}": getattr(hp, key) for _, key in hp.optimizers().values()}
 
 
 def warmup_from_ratio(ratio: float, total: int) -> int:

@@ -45,7 +45,7 @@ model's ``max_seq_len``; the controller passes the coming step's):
   gradient apart, then adds it into ``.grad``);
 - inference transient: one layer's intermediates (2h + 4·I/t per token), not kept; a
   training stage that also runs a forward over the step's batch before its update
-  (``forward_too``: the actor's old log-probs off-policy, the critic's values without a
+  (``JobConfig.own_forward``: the actor's old log-probs off-policy, the critic's values without a
   ``critic.infer``) peaks at the larger of that forward's and its update's transient;
 - logits (causal LM, last stage): the model's output keeps the vocabulary sharded over TP
   (``trainer/parallel/vocab_parallel.py``), ``s·b·ceil(V/t)`` elements (the largest shard's)
@@ -78,7 +78,6 @@ from nereus.reshard.derive import vocab_shard_rows
 from nereus.reshard.layout import itemsize
 
 from ..config import ConfigError, JobConfig, StageConfig
-from ..config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN
 from .candidates import (
     RECOMPUTE, Candidates, FixedBatching, kept_of, micro_batching, per_unique, read_only, stage_layers,
 )
@@ -184,7 +183,7 @@ def memory_at(
 
     layout, tp, pp, dp = kept_with_c("layout", lambda: (c.layout[which], c.tp[which], c.pp[which], c.dp[which]))
     rows = -(-cfg.algo_hp.minibatch_size // dp) if train else -(-cfg.batch_size // dp)
-    if key == ACTOR_GEN and cfg.rollout.engine == "vllm":
+    if cfg.engine_owned(key):
         share = int(cfg.rollout.gpu_memory_utilization * (cfg.device_memory_gib or 0) * GIB)
         return np.zeros(len(which), dtype=np.int64), np.full(len(which), share, dtype=np.int64)  # asleep outside generation
     layers, ck = kept_with_c("layers", lambda: per_unique(lambda pp, p, r: stage_layers(spec.num_layers, pp, p, RECOMPUTE[r]),
@@ -230,15 +229,9 @@ def memory_at(
         return out
 
     transient = transient_of(rows, train)
-    if train and forward_too(cfg, key):  # the stage's own forward over the whole batch, before its update
+    if train and cfg.own_forward(key):  # the stage's own forward over the whole batch, before its update
         transient = np.maximum(transient, transient_of(-(-cfg.batch_size // dp), False))
     return weights * (4 if train else 1), transient.astype(np.int64)
-
-
-def forward_too(cfg: JobConfig, key: str) -> bool:
-    """Whether training stage ``key`` also runs a forward over the step's batch: the actor's
-    old log-probs off-policy, the critic's values without a ``critic.infer``."""
-    return (key == ACTOR_TRAIN and not cfg.on_policy) or (key == CRITIC_TRAIN and CRITIC_INFER not in cfg.plan.stages())
 
 
 def plan_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> dict[int, list[StageMemory]]:

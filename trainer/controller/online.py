@@ -37,6 +37,7 @@ from dataclasses import asdict
 import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
+from ..config.names import SYNC, piece_stage
 from .admission import Decision, DriftWatch, admit, difference_spread
 from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
@@ -66,21 +67,21 @@ def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) 
     (``<model>.train.infer``), or a weight sync (``sync.<destination>``); None for the
     step's bookkeeping (advantages, the finiteness check), which is not planned."""
     stages = cfg.plan.stages()
-    if name.startswith("sync."):
-        key = name[len("sync."):]
+    key = piece_stage(name)
+    if name.startswith(SYNC):
         return sync_features(cfg, key, stages[key], where) if key in stages else None
-    if name.endswith(".train.infer"):
-        key = name[: -len(".infer")]
+    if key != name:  # a training layout's own forward
         return stage_features(cfg, key, stages[key], work, where, mode="infer")
     if name in stages:
         return stage_features(cfg, name, stages[name], work, where)
     return None
 
 
-def piece_stage(name: str, stages) -> str:
+def piece_owner(name: str, stages) -> str:
     """The model-stage a measured piece belongs to (``search.stage_seconds``' sum): a weight
-    sync ``sync.<key>`` and a training stage's own forward ``<key>.infer`` to ``<key>``."""
-    key = name[len("sync."):] if name.startswith("sync.") else name[: -len(".infer")] if name.endswith(".train.infer") else name
+    sync ``sync.<key>`` and a training stage's own forward ``<key>.infer`` to ``<key>``, where
+    ``<key>`` is in ``stages``; else the piece's own name."""
+    key = piece_stage(name)
     return key if key in stages else name
 
 
@@ -176,7 +177,7 @@ class Controller:
             predicted_total += predicted
             measured_total += record["seconds"]
             self.samples.append(features, record["seconds"])
-            both = per_stage.setdefault(piece_stage(name, stages), [0.0, 0.0])
+            both = per_stage.setdefault(piece_owner(name, stages), [0.0, 0.0])
             both[0] += predicted
             both[1] += record["seconds"]
         error = abs(predicted_total - measured_total) / measured_total if measured_total > 0 else 0.0

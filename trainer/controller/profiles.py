@@ -81,13 +81,6 @@ class DeviceProfile:
         same = src // self.devices_per_node == dst // self.devices_per_node
         return self.links["intra" if same else "inter"]
 
-    def group_link(self, ranks: tuple[int, ...]) -> Link:
-        """The slowest link inside a group of ranks (what a ring collective over them runs at)."""
-        if len(ranks) < 2:
-            return self.links["local"]
-        nodes = {r // self.devices_per_node for r in ranks}
-        return self.links["intra" if len(nodes) == 1 else "inter"]
-
 
 KEYS = {"name", "kind", "memory_gib", "devices_per_node", "flops", "memory_bandwidth", "op_overhead", "links", "cores", "efficiency"}
 

@@ -52,7 +52,7 @@ from ..data.tasks import longest_row
 from ..models.args import model_args
 from .candidates import RECOMPUTE, Candidates, kept_of
 from .classes import ClassRegistry, MemoryFit, layout_kind, rank_class
-from .memory import GIB, HEADROOM, candidate_memory, forward_too, gib
+from .memory import GIB, HEADROOM, candidate_memory, gib
 from .profiles import DeviceProfile
 from .steptime import Placement, StepTimeModel, candidate_features, candidate_sync_features
 from .workload import Workload
@@ -169,7 +169,7 @@ def candidate_seconds(cfg: JobConfig, key: str, c: Candidates, work: Workload, w
     seconds = model.predict(candidate_features(cfg, key, c, work, where, args=args))
     if key in SYNCED:
         seconds = seconds + model.predict(candidate_sync_features(cfg, key, c, where, args=args))
-    if forward_too(cfg, key):
+    if cfg.own_forward(key):
         seconds = seconds + model.predict(candidate_features(cfg, key, c, work, where, mode="infer", args=args))
     return seconds
 

@@ -39,7 +39,7 @@ from nereus.reshard.graph import plan_graph
 from nereus.reshard.links import LINK_CLASSES, LinkCost, calibrate
 
 from ..config import JobConfig, PlanConfig, StageConfig
-from ..config.names import ACTOR_GEN, SYNCED
+from ..config.names import SYNCED
 from .candidates import layout_of
 
 REBUILD_SECONDS = 0.3  # prior per rebuilt model-stage (this CPU: module build, groups, optimizer)
@@ -58,12 +58,12 @@ def profile_links(profile) -> LinkCost:
 def stage_emus(cfg: JobConfig, key: str, sc: StageConfig, nproc: int):
     """The EMUs a model-stage holds under ``sc`` (weights, and AdamW state when training)."""
     from ..models.args import model_args
-    from ..rollout.vllm_engine import vllm_emus
+    from ..rollout.vllm_layout import vllm_emus
 
     args = model_args(cfg, key)
     model, stage = key.split(".")
     config = sc.parallel_config(nproc)
-    if key == ACTOR_GEN and cfg.rollout.engine == "vllm":
+    if cfg.engine_owned(key):
         return vllm_emus(args.spec, config, model=model, stage=stage)
     return derive_emus(args.spec, config, model=model, stage=stage, optimizer=stage == "train", dp_shard=sc.dp_shard, fused=sc.fused)
 
@@ -142,7 +142,7 @@ class TransitionModel:
 def refilled(cfg: JobConfig, key: str) -> bool:
     """Whether the executor refills ``key`` from its weight sync instead of moving its state:
     a weight-synced copy (``SYNCED``) of the built-in engine (a vLLM engine's copy moves)."""
-    return key in SYNCED and not (key == ACTOR_GEN and cfg.rollout.engine == "vllm")
+    return key in SYNCED and not (cfg.engine_owned(key))
 
 
 def move_order(cfg: JobConfig, old: PlanConfig, new: PlanConfig, *, groups=None) -> list[str]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, JobConfig
+from ..config import MODEL_SECTIONS, ConfigError, JobConfig
 from ..seeds import mix
 from .tasks import Task, build_task
 
@@ -252,7 +252,7 @@ def check_vocab_sizes(cfg: JobConfig, tokens: int) -> None:
 
     tokenizer = cfg.tokenizer.path or cfg.model.path
     actor = cfg.model.vocab_size if from_checkpoint(cfg.model) else None
-    for key in ("model", "critic", "reward_model"):
+    for key in MODEL_SECTIONS:
         m = getattr(cfg, key)
         if m is None or m.vocab_size is None:
             continue

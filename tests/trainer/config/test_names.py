@@ -6,7 +6,8 @@ from pathlib import Path
 from trainer.config import names
 
 ROOT = Path(__file__).resolve().parents[3]
-SPELLED = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str)}
+SPELLED = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str) and v != names.OWN_FORWARD}
+"""Every name and the sync prefix; not the own forward's ``.infer``, which is also a stage's suffix."""
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -18,6 +19,11 @@ def _docstrings(tree: ast.AST) -> set[int]:
 def test_the_names_module_defines_every_model_stage_and_piece():
     assert set(names.MODEL_STAGES) <= SPELLED
     assert {names.ACTOR_TRAIN_INFER, names.CRITIC_TRAIN_INFER} == {"actor.train.infer", "critic.train.infer"}
+    assert names.sync_piece(names.ACTOR_GEN) == "sync.actor.gen" and names.SYNC in SPELLED
+    pieces = {names.sync_piece(names.ACTOR_GEN): names.ACTOR_GEN, names.ACTOR_TRAIN_INFER: names.ACTOR_TRAIN,
+              names.CRITIC_TRAIN_INFER: names.CRITIC_TRAIN, names.REF_INFER: names.REF_INFER, "advantages": "advantages"}
+    assert {p: names.piece_stage(p) for p in pieces} == pieces
+    assert [names.model_of(k) for k in names.MODEL_STAGES] == ["actor", "actor", "critic", "critic", "ref", "reward"]
 
 
 def test_no_module_spells_a_model_stage_name_out():

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from nereus.trainer.config import StageConfig
+from nereus.trainer.config import JobConfig, StageConfig
 from nereus.trainer.prepare import load_config
 from nereus.trainer.controller.candidates import layout_of
 from nereus.trainer.controller.memory import (
@@ -49,7 +49,7 @@ def test_full_recompute_keeps_each_blocks_input_and_one_block():
     block) and, at its start, the head's (H: final norm, logits, softmax), then one block's
     gradient temporaries G; with ``full`` each block keeps its input (c·h) and one block is
     recomputed at a time once the head's are freed, so the saving is tokens × (L·A − L·c·h +
-    max(0, G − H) − max(0, G + A − H)); ``selective`` saves it for half the blocks. On-policy: no forward over the whole batch before the update (``forward_too``)."""
+    max(0, G − H) − max(0, G + A − H)); ``selective`` saves it for half the blocks. On-policy: no forward over the whole batch before the update (``JobConfig.own_forward``)."""
     cfg = long_job(f"grpo.minibatch_size={long_job().batch_size}")
     seq, rows = 405, 8
     spec = model_args(cfg, "actor.train").spec
@@ -242,7 +242,7 @@ def test_a_training_stage_that_runs_its_own_forward_is_held_to_that_forwards_mem
     full = lambda: pipeline_memory(cfg, "actor.train", _train(cfg, recompute="full"), seq=405)[0].transient  # noqa: E731
     forward = pipeline_memory(cfg, "ref.infer", cfg.plan.ref.infer, seq=405)[0].transient
     held = full()
-    monkeypatch.setattr(memory, "forward_too", lambda cfg, key: False)
+    monkeypatch.setattr(JobConfig, "own_forward", lambda self, key: False)
     memory._pipeline_memory.cache_clear()
     update = full()
     memory._pipeline_memory.cache_clear()

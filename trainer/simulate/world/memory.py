@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 from nereus.trainer.config import JobConfig, StageConfig
-from nereus.trainer.config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, SYNCED
+from nereus.trainer.config.names import ACTOR_TRAIN, CRITIC_TRAIN, SYNCED
 
 from .links import stage_ranks
 from .shapes import Lengths, ModelShape
@@ -130,14 +130,8 @@ def running(cfg: JobConfig) -> list[tuple[str, StageConfig, bool]]:
     and a training layout's own forward where the step runs one (``pieces``)."""
     stages = cfg.plan.stages()
     out = [(k, sc, False) for k, sc in stages.items()]
-    out += [(k, stages[k], True) for k in (ACTOR_TRAIN, CRITIC_TRAIN) if k in stages and own_forward(cfg, k)]
+    out += [(k, stages[k], True) for k in (ACTOR_TRAIN, CRITIC_TRAIN) if k in stages and cfg.own_forward(k)]
     return out
-
-
-def own_forward(cfg: JobConfig, key: str) -> bool:
-    """Whether training stage ``key`` runs a forward of its own in the step: the actor's old
-    log-probs off-policy, the critic's old values without a ``critic.infer``."""
-    return (key == ACTOR_TRAIN and not cfg.on_policy) or (key == CRITIC_TRAIN and CRITIC_INFER not in cfg.plan.stages())
 
 
 def rank_roles(cfg: JobConfig) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -202,7 +196,7 @@ def move_peak(cfg: JobConfig, old, new, order: list[str], *, slack: Callable[[st
     current = sum(held.values(), np.zeros(n))
     peak = current.copy()
     for k in order:
-        freed = held.get(k, 0) if k in SYNCED_COPIES and not (k == ACTOR_GEN and cfg.rollout.engine == "vllm") else 0
+        freed = held.get(k, 0) if k in SYNCED_COPIES and not (cfg.engine_owned(k)) else 0
         peak = np.maximum(peak, current - freed + coming[k])
         current = current - held.get(k, 0) + coming[k]
     return float(((peak + workspace) * (1 + worst) + reserved).max())

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from nereus.trainer.config import JobConfig, PlanConfig, StageConfig
-from nereus.trainer.config.names import SYNCED
+from nereus.trainer.config.names import OWN_FORWARD, SYNC, SYNCED, piece_stage, sync_piece
 
 from . import memory, noise
 from .generate import gen_seconds
@@ -55,16 +55,13 @@ def pieces(cfg: JobConfig) -> list[str]:
     out = []
     for key in stages:
         if key in SYNCED:
-            out.append(f"sync.{key}")
+            out.append(sync_piece(key))
         out.append(key)
-        if memory.own_forward(cfg, key):
-            out.append(f"{key}.infer")
+        if cfg.own_forward(key):
+            out.append(f"{key}{OWN_FORWARD}")
     return out
 
 
-def piece_stage(name: str) -> str:
-    """The model-stage a piece runs on (a sync: its destination)."""
-    return name[len("sync."):] if name.startswith("sync.") else name[: -len(".infer")] if name.endswith(".train.infer") else name
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,7 +101,7 @@ class World:
         """A trace's lengths as arrays (the last trace converted is remembered by identity)."""
         if isinstance(steps, Lengths):
             return steps
-        job = (cfg.batch_size, cfg.algorithm, cfg.ppo, cfg.grpo, cfg.data, cfg.task)
+        job = (cfg.batch_size, cfg.algorithm, cfg.algo_hp, cfg.data, cfg.task)
         if self._steps is not None and self._steps[0] is steps and self._steps[1] == (len(steps), job):
             return self._steps[2]
         base = job_work(cfg, type("T", (), {"response_max": 1, "response_mean": 1.0, "prompt_mean": None})(), self.prompt_mean)
@@ -142,7 +139,7 @@ class World:
         stages = cfg.plan.stages()
         key = piece_stage(name)
         sc = stages[key]
-        if name.startswith("sync."):
+        if name.startswith(SYNC):
             src = stages[SYNCED[key]]
             return self._memo(("sync", key, sc, src, cfg.nproc, ModelShape.of(cfg, key), len(lengths)),
                               lambda: self._sync(cfg, key, len(lengths)))
@@ -164,7 +161,7 @@ class World:
         stages = cfg.plan.stages()
         key = piece_stage(name)
         ranks = stage_ranks(stages[key], cfg.nproc)
-        if name.startswith("sync."):
+        if name.startswith(SYNC):
             ranks = np.union1d(ranks, stage_ranks(stages[SYNCED[key]], cfg.nproc))
         return ranks
 
