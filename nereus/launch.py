@@ -44,9 +44,9 @@ it) leaves them until reboot. ``launch_local(..., shm_tag=...)`` names them
 the launcher's ``<pid>.<8 hex>``, and the launcher holds ``LOCK_EX`` on a sentinel
 ``nereus-<tag>.<key>.launcher`` in ``/dev/shm`` for its life (``hold_sentinel``; unlinked at
 exit). Every later launch on the same run dir, on one node or several, removes what a killed one
-left on its node: the semaphores and sentinel of every key whose sentinel is unlocked
-(``remove_stale_semaphores``). Liveness is the lock, never the pid: a ``/dev/shm`` shared across
-pid namespaces (containers run ``--ipc=host``) holds other namespaces' launchers, whose pids mean
+left on its node: the semaphores and sentinel of every key whose sentinel is unlocked, and
+unlocked temporary sentinels (``remove_stale_semaphores``). Liveness is the lock, never the pid:
+a ``/dev/shm`` shared across pid namespaces (containers run ``--ipc=host``) holds other namespaces' launchers, whose pids mean
 nothing here. Files without a sentinel (an older Nereus's ``sem.nereus-<tag>-XXXX`` and
 ``sem.nereus-<tag>.<pid>-XXXX``) go only under the run dir's lock, on one node. Under torchrun
 its own agent makes them, named as torch does (``sem.mp-*``): Nereus cannot tell them from other
@@ -278,13 +278,14 @@ def hold_sentinel(tag: str, shm: str = SHM) -> str | None:
 
 
 def drop_sentinels() -> None:
-    """Unlink and let go of this process's sentinels (at exit)."""
-    for _, fd, path in _SENTINELS.values():
+    """Unlink and let go of this process's sentinels (at exit): each is forgotten before its
+    descriptor is closed, so nothing ever reads a closed (or reused) descriptor as a sentinel."""
+    while _SENTINELS:
+        _, (_, fd, path) = _SENTINELS.popitem()
         with contextlib.suppress(OSError):
             os.unlink(path)
         with contextlib.suppress(OSError):
             os.close(fd)
-    _SENTINELS.clear()
 
 
 def _forget_sentinels_in_child() -> None:
@@ -364,6 +365,35 @@ def launcher_sentinels(tag: str, shm: str = SHM) -> list[str]:
     return _mine(glob.glob(os.path.join(shm, f"nereus-{tag}.*.launcher")))
 
 
+SENTINEL_TMP_AGE_S = 10.0
+"""A sentinel's temporary file younger than this is never removed (``hold_sentinel`` locks and renames it at once)."""
+
+
+def stale_sentinel_tmps(tag: str, shm: str = SHM) -> list[str]:
+    """The temporary sentinels (``<sentinel>.tmp``) of launches tagged ``tag`` in ``shm`` that
+    this user owns, left by a launcher killed between making one and renaming it: unlocked
+    (``LOCK_EX|LOCK_NB`` is granted) and older than ``SENTINEL_TMP_AGE_S``."""
+    import fcntl
+    import time
+
+    stale = []
+    for path in _mine(glob.glob(os.path.join(shm, f"nereus-{tag}.*.launcher.tmp"))):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime < SENTINEL_TMP_AGE_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held (its launcher is renaming it), or no flock here: left
+            continue
+        finally:
+            os.close(fd)
+        stale.append(path)
+    return stale
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` exists on this host (another user's counts)."""
     try:
@@ -380,7 +410,8 @@ def remove_stale_semaphores(tag: str, shm: str = SHM, *, locked: bool = False) -
     every launcher whose sentinel is there unlocked (``launcher_alive`` False) — safe on any node
     at any time, so every launch does it, one node or several — and, with ``locked`` (under the
     run dir's lock: no launch of the tag runs here), those without a sentinel too (an older
-    Nereus's names); returns what went."""
+    Nereus's names); and the unlocked temporary sentinels of launchers killed while making one
+    (``stale_sentinel_tmps``); returns what went."""
     gone, alive = [], {}
     for path in stale_semaphores(tag, shm):
         key = sem_owner(os.path.basename(path), tag)
@@ -398,6 +429,10 @@ def remove_stale_semaphores(tag: str, shm: str = SHM, *, locked: bool = False) -
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 gone.append(path)
+    for path in stale_sentinel_tmps(tag, shm):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            gone.append(path)
     return gone
 
 

@@ -85,12 +85,28 @@ def waits_for(holder: Holder | None, job: str | None) -> bool:
     return holder is not None and mine is not None and job_identity(holder.job) == mine
 
 
-def busy_message(run_dir: str, holder: Holder | None) -> str:
-    """The one line a second job gets (pure); a finished holder is one still exiting."""
+def workers_wait(previous: Holder | None, job: str | None, until: float) -> float | None:
+    """Until when an acquirer of job ``job`` waits for workers still holding ``.lock.workers``
+    after ``previous`` held ``.lock`` (pure): ``until`` for a launcher's record (no job), a
+    finished one, none, or its own job's previous round (``waits_for``); None — refused at once —
+    for another job's rank 0 (its record names a job): that job's agent may be restarting it, and
+    its next round must find the run dir as its last one left it."""
+    if previous is None or previous.finished is not None or job_identity(previous.job) is None or waits_for(previous, job):
+        return until
+    return None
+
+
+def busy_message(run_dir: str, holder: Holder | None, *, job: str | None = None, waited_s: float = 0.0) -> str:
+    """The one line an acquirer of job ``job`` gets while ``holder`` holds ``.lock`` (pure): a
+    finished holder is one still exiting; one of ``job`` itself (``waits_for``) is its previous
+    round's rank 0, which did not let go within ``waited_s``; else another job."""
     lock = os.path.join(run_dir, LOCK_NAME)
     if holder is not None and holder.finished is not None:
         return (f"run dir {run_dir} is still locked by a finished job that has not exited yet ({holder.describe()}; lock "
                 f"{lock}): wait for it to exit, stop it, or use another --run-dir")
+    if waits_for(holder, job):
+        return (f"run dir {run_dir}: this job's previous round's rank 0 ({holder.describe()}; lock {lock}) did not exit "
+                f"within {waited_s:.0f}s: stop it, or use another --run-dir")
     who = holder.describe() if holder else "a process that has not written its record yet"
     return (f"run dir {run_dir} is in use by another job ({who}; lock {lock}): wait for it to finish, stop it, "
             "or use another --run-dir")
@@ -99,10 +115,11 @@ def busy_message(run_dir: str, holder: Holder | None) -> str:
 def workers_message(run_dir: str, holder: Holder | None, *, job: str | None = None, held_by: str = "",
                     waited_s: float = 0.0) -> str:
     """The one line an acquirer gets while workers still hold ``.lock.workers`` after it waited
-    ``waited_s`` (pure): ``holder``, the previous holder of ``.lock`` (gone: the acquirer took it),
+    ``waited_s`` (pure): ``holder``, the previous holder of ``.lock`` (gone: the acquirer got it),
     finished (its workers are still exiting), of the acquirer's own ``job`` (``waits_for``: its
-    previous round's workers), else a job whose launcher is gone; ``held_by``: who holds it
-    (``lock_holders.describe_pids``; "" when not known)."""
+    previous round's workers), another job's rank 0 (its record names a job: that job's agent may
+    be restarting it; not waited for), else a job whose launcher is gone; ``held_by``: who holds
+    it (``lock_holders.describe_pids``; "" when not known)."""
     held = f"; held by {held_by}" if held_by else ""
     where = f"lock {os.path.join(run_dir, WORKERS_LOCK_NAME)} held" + (f" after {waited_s:.0f}s" if waited_s >= 1 else "")
     if holder is not None and holder.finished is not None:
@@ -111,14 +128,25 @@ def workers_message(run_dir: str, holder: Holder | None, *, job: str | None = No
     if waits_for(holder, job):
         return (f"run dir {run_dir} is still written by workers of this job's previous round ({holder.describe()}{held}; "
                 f"{where}): they did not exit; stop them, or use another --run-dir")
+    if holder is not None and holder.job:
+        return (f"run dir {run_dir}: workers of job {holder.job}, whose rank 0 (pid {holder.pid} on host {holder.host}) is "
+                f"gone, still hold the run dir (its record: {holder.describe()}{held}; {where}): that job may be restarting "
+                "them; wait for it to end, stop it, or use another --run-dir")
     who = f"its launcher was {holder.describe()}" if holder else "its launcher left no record"
     return (f"run dir {run_dir} is still written by workers of a job whose launcher is gone ({who}{held}; {where}): "
             "wait for them to exit, stop them, or use another --run-dir")
 
 
-def waiting_message(run_dir: str, holder: Holder | None, wait_s: float) -> str:
-    """The line logged once when an acquirer starts waiting for ``.lock.workers`` (pure)."""
-    whose = "a finished job" if holder is not None and holder.finished is not None else "the previous job"
+def waiting_message(run_dir: str, holder: Holder | None, wait_s: float, *, job: str | None = None) -> str:
+    """The line logged once when an acquirer of job ``job`` starts waiting for ``.lock.workers`` (pure)."""
+    if holder is not None and holder.finished is not None:
+        whose = "a finished job"
+    elif waits_for(holder, job):
+        whose = "this job's previous round"
+    elif holder is not None and holder.job:
+        whose = f"job {holder.job}, whose rank 0 is gone,"
+    else:
+        whose = "the previous job"
     return (f"nereus: run dir {run_dir}: waiting up to {wait_s:.0f}s for the workers of {whose} to exit (lock "
             f"{os.path.join(run_dir, WORKERS_LOCK_NAME)} held)")
 

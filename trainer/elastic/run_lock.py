@@ -17,7 +17,8 @@ Who holds it:
   and holds it until its process exits (``keep_until_exit``: not when ``run_worker`` returns,
   since its staging thread and other nodes' ranks may still be exiting; the kernel drops it,
   and the record of a job that ended says ``finished``); each round's rank 0 takes it again. Between two rounds nobody
-  holds it for a few seconds; the record names the job (``job_identity`` of the agent's
+  holds it — the agent stops the old ranks, rendezvouses again, spawns the new ones and they form
+  the process group: tens of seconds (a gap, below); the record names the job (``job_identity`` of the agent's
   ``TORCHELASTIC_RUN_ID``), and a rank 0 finding it held by its own job (the previous
   round's rank 0, still being stopped) waits up to ``SAME_JOB_WAIT_S`` for it
   (``waits_for``). A busy run dir there is an exception on every rank (``RunDirBusy``: the
@@ -52,11 +53,22 @@ staging thread outlived it). So every worker takes ``LOCK_SH`` on ``.lock.worker
 (``hold_for_worker``, from ``restore.agree_start``), and an acquirer of ``.lock`` must also get
 ``LOCK_EX|LOCK_NB`` on ``.lock.workers`` — it only checks, and drops it at once, so its own
 workers (started later, while it holds ``.lock``) take theirs. While it is held the acquirer
-waits, polling, at most ``acquire``'s ``wait_workers_s`` (the launcher: ``WORKERS_EXIT_WAIT_S``;
-rank 0: ``same_job_wait_s``), since workers tear down after their launcher or their rank 0 (a
-resume right after a SIGKILL or a clean end); then ``RunDirBusy``, one line saying whose workers
-they are (a dead launcher's, a finished job's, this job's previous round's) and naming the
-holders' pids (``lock_holders``). Our launcher's workers also die with it (``die_with_launcher``:
+puts the previous record back, lets go of ``.lock`` and tries again from the ``flock``, polling,
+at most ``acquire``'s ``wait_workers_s`` (the launcher: ``WORKERS_EXIT_WAIT_S``; rank 0:
+``same_job_wait_s``), since workers tear down after their launcher or their rank 0 (a resume
+right after a SIGKILL or a clean end); then ``RunDirBusy``, one line saying whose workers they
+are (a dead launcher's, a finished job's, this job's previous round's) and naming the holders'
+pids (``lock_holders``). It never waits holding ``.lock``: a waiting ``resume`` would keep a
+restarting job's next rank 0 out (refused at once: not its job's record) and win when the old
+ranks exit. Workers of another job's rank 0 (a record naming a job, not finished: its agent may
+be restarting it) are not waited for at all: refused at once (``workers_wait``), so such a job's
+next round finds the run dir as its last one left it. An acquirer that may wait rides out, for
+``CHECK_GRACE_S`` and then for as long as it waits, a ``.lock`` another acquirer holds for its
+instant check. The gap: once the old ranks are gone and before the next rank 0 locks (tens of
+seconds), nothing holds either file, and another job's acquirer takes the run dir over (its
+record's rank 0 is gone); under plain torchrun with its default run id the record names no job
+and reads like a launcher's, so such an acquirer also waits for the old ranks, racing the next
+round's rank 0. Our launcher's workers also die with it (``die_with_launcher``:
 ``PR_SET_PDEATHSIG`` = SIGKILL on Linux). ``.lock.workers`` is never unlinked (a worker may hold
 it; a new inode would split the lock): a 0-byte file of that name stays in the run dir.
 
@@ -102,7 +114,7 @@ from nereus.launch import LAUNCH_ID_ENV, LAUNCHER_ENV, launcher_env, pid_alive  
 from .lock_holders import describe_pids, holders
 from .lock_record import (DEFAULT_RUN_IDS, LOCK_NAME, SAME_JOB_WAIT_S, WORKERS_LOCK_NAME, Holder,  # noqa: F401 - re-exported
                           busy_message, job_identity, launch_of, no_flock_message, not_own_message, own_record, parse_holder, same_job_wait_s,
-                          spawned_by, stale_message, waiting_message, waits_for, workers_message)
+                          spawned_by, stale_message, waiting_message, waits_for, workers_message, workers_wait)
 
 WORKERS_EXIT_WAIT_S = 30.0
 """How long the launcher's acquire waits, at most, for a previous job's exiting workers and a finished
@@ -110,6 +122,10 @@ holder (a worker's waits ``same_job_wait_s``)."""
 WORKER_LOCK_WAIT_S = 10.0
 """How long a worker tries for ``LOCK_SH`` on ``.lock.workers`` (an acquirer holds ``LOCK_EX`` for an instant only)."""
 NO_FLOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+POLL_S = 0.2
+"""How often a waiting acquirer tries again (from the ``flock``: it holds nothing meanwhile)."""
+CHECK_GRACE_S = 1.0
+"""How long an acquirer that may wait rides out a lock held by another acquirer's check (an instant)."""
 _READ_TRIES = 20  # a holder that just locked writes its record within milliseconds
 
 
@@ -146,7 +162,7 @@ class RunLock:
         self.fd: int | None = None
         self.took_over: str | None = None
         """The stale holder's line, when this acquire took a dead holder's lock over."""
-        self._made_dir = False
+        self._made_dirs: list[str] = []
         self.kept = False
         """``keep_until_exit`` was called: held until the process exits."""
 
@@ -155,57 +171,53 @@ class RunLock:
         same job (``waits_for``), up to ``wait_same_job_s``; a finished holder not yet exited and
         workers still holding ``.lock.workers``, up to ``wait_workers_s`` (None:
         ``wait_same_job_s`` when given — a worker's acquire, which the other ranks wait for in a
-        collective — else ``WORKERS_EXIT_WAIT_S``). This job's record is written before the
-        workers' check (``hold_for_worker``). A stale record is taken over (``took_over``, logged
-        on stderr); a finished job's quietly."""
+        collective — else ``WORKERS_EXIT_WAIT_S``) — but never another job's rank 0's workers
+        (``workers_wait``). Nothing is waited for while holding ``.lock``: a busy check puts the
+        previous record back, lets go and tries again from the ``flock``. This job's record is
+        written before the workers' check (``hold_for_worker``). A stale record is taken over
+        (``took_over``, logged on stderr); a finished job's quietly."""
         if wait_workers_s is None:
             wait_workers_s = wait_same_job_s if wait_same_job_s > 0 else WORKERS_EXIT_WAIT_S
-        if not os.path.isdir(self.run_dir):
-            os.makedirs(self.run_dir, exist_ok=True)
-            self._made_dir = True
+        self._make_dirs()
         start = time.monotonic()
         same_until, exit_until = start + wait_same_job_s, start + max(wait_same_job_s, wait_workers_s)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-            try:
-                _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, self.run_dir)
-            except BlockingIOError:
-                holder = self._holder(fd)
-                os.close(fd)
-                now = time.monotonic()
-                if (waits_for(holder, self.job) and now < same_until) or \
-                        (holder is not None and holder.finished is not None and now < exit_until):
-                    time.sleep(0.2)
-                    continue
-                self._forget_dir()
-                raise RunDirBusy(busy_message(self.run_dir, holder)) from None
-            except NoFlock:
-                if not os.fstat(fd).st_size and self._still_named(fd):
-                    os.unlink(self.path)  # made just now: no lock can be held on this filesystem anyway
-                os.close(fd)
-                self._forget_dir()
-                raise
-            except BaseException:
-                os.close(fd)
-                self._forget_dir()
-                raise
-            if not self._still_named(fd):  # released and unlinked between our open and our flock: a new file
-                os.close(fd)
-                continue
-            break
-        before = os.pread(fd, 4096, 0)
-        previous = parse_holder(before.decode(errors="replace"))
+        # a rank 0 with a job of its own rides out another acquirer's instant check; once waiting, every acquirer does
+        patient_until = start + min(CHECK_GRACE_S, wait_same_job_s) if self.job else start
+        told = False
         try:
-            # first the record: a dying job's late worker taking LOCK_SH after the check below reads it and stops
-            self._write(fd, {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "job": self.job})
-            self._wait_for_workers(previous, start, exit_until)
+            while True:
+                fd, holder = self._try_lock()
+                now = time.monotonic()
+                if fd is None:
+                    if (waits_for(holder, self.job) and now < same_until) or now < patient_until or \
+                            (holder is not None and holder.finished is not None and now < exit_until):
+                        time.sleep(POLL_S)
+                        continue
+                    raise RunDirBusy(busy_message(self.run_dir, holder, job=self.job, waited_s=wait_same_job_s))
+                before = os.pread(fd, 4096, 0)
+                previous = parse_holder(before.decode(errors="replace"))
+                try:
+                    # first the record: a dying job's late worker taking LOCK_SH after the check reads it and stops
+                    self._write(fd, {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "job": self.job})
+                    free = self._workers_free()
+                except BaseException:
+                    self._put_back(fd, before)
+                    raise
+                if free:
+                    break
+                self._put_back(fd, before)  # let go before waiting: this job's next round, or a resume, may come first
+                until = workers_wait(previous, self.job, exit_until)
+                now = time.monotonic()
+                if until is None or now >= until:
+                    held_by = describe_pids(holders(os.path.join(self.run_dir, WORKERS_LOCK_NAME)))
+                    waited = until - start if until is not None else 0.0
+                    raise RunDirBusy(workers_message(self.run_dir, previous, job=self.job, held_by=held_by, waited_s=waited))
+                if not told:
+                    print(waiting_message(self.run_dir, previous, until - now, job=self.job), file=sys.stderr, flush=True)
+                    told = True
+                patient_until = max(patient_until, until)
+                time.sleep(POLL_S)
         except BaseException:
-            try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, before, 0)  # the dead holder's record stays, for the next acquirer to name
-            except OSError:
-                pass
-            os.close(fd)
             self._forget_dir()
             raise
         self.fd = fd
@@ -216,19 +228,52 @@ class RunLock:
             print(self.took_over, file=sys.stderr, flush=True)
         return self
 
-    def _wait_for_workers(self, previous: Holder | None, start: float, until: float) -> None:
-        """Until no worker holds ``.lock.workers`` (a dead launcher's, a finished job's still
-        exiting), polling, at most until ``until``; then ``RunDirBusy`` naming who holds it."""
-        told = False
-        while not self._workers_free():
-            now = time.monotonic()
-            if now >= until:
-                held_by = describe_pids(holders(os.path.join(self.run_dir, WORKERS_LOCK_NAME)))
-                raise RunDirBusy(workers_message(self.run_dir, previous, job=self.job, held_by=held_by, waited_s=until - start))
-            if not told:
-                print(waiting_message(self.run_dir, previous, until - now), file=sys.stderr, flush=True)
-                told = True
-            time.sleep(0.1)
+    def _make_dirs(self) -> None:
+        """Make the run dir and its missing parents, each kept (deepest first) for ``_forget_dir``."""
+        missing, d = [], self.run_dir
+        while not os.path.isdir(d) and os.path.dirname(d) != d:
+            missing.append(d)
+            d = os.path.dirname(d)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self._made_dirs = missing
+
+    def _try_lock(self) -> tuple[int | None, Holder | None]:
+        """``LOCK_EX|LOCK_NB`` on ``.lock`` (made if missing): its descriptor, or None and the
+        holder's record while another holds it; tried again when the file was released and
+        unlinked between the open and the flock (a new file); ``NoFlock`` leaves no file it made."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            try:
+                _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, self.run_dir)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                return None, holder
+            except NoFlock:
+                if not os.fstat(fd).st_size and self._still_named(fd):
+                    os.unlink(self.path)  # made just now: no lock can be held on this filesystem anyway
+                os.close(fd)
+                raise
+            except BaseException:
+                os.close(fd)
+                raise
+            if self._still_named(fd):
+                return fd, None
+            os.close(fd)
+
+    def _put_back(self, fd: int, before: bytes) -> None:
+        """Undo this acquire's record and let go: the previous holder's record back (for the next
+        acquirer to name), or no file when there was none (unlinked while still locked)."""
+        try:
+            if before.strip():
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, before, 0)
+            elif self._still_named(fd):
+                os.unlink(self.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _write(fd: int, record: dict) -> None:
@@ -256,7 +301,7 @@ class RunLock:
 
     def release(self) -> None:
         """Unlink the file while holding it, then close it (module docstring); the run dir
-        too when this lock made it and nothing else is in it. Nothing after ``keep_until_exit``."""
+        and its parents too where this lock made them and nothing else is in them. Nothing after ``keep_until_exit``."""
         if self.fd is None or self.kept:
             return
         fd, self.fd = self.fd, None
@@ -269,12 +314,14 @@ class RunLock:
         self._forget_dir()
 
     def _forget_dir(self) -> None:
-        if self._made_dir:
+        """Remove the directories ``_make_dirs`` made, deepest first, while they are empty: a run
+        refused before it wrote anything leaves none behind."""
+        made, self._made_dirs = self._made_dirs, []
+        for d in made:
             try:
-                os.rmdir(self.run_dir)  # a run refused before it wrote anything leaves no directory behind
+                os.rmdir(d)
             except OSError:
-                pass
-            self._made_dir = False
+                break
 
     def _workers_free(self) -> bool:
         """Whether no worker holds ``.lock.workers`` (``LOCK_EX|LOCK_NB``, dropped at once)."""

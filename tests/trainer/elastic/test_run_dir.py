@@ -72,11 +72,12 @@ def test_workers_of_a_dead_launcher_keep_the_run_dir_busy_though_its_lock_is_fre
     """The launcher alone SIGKILLed: the kernel freed RUN_DIR/.lock, but its workers (one here:
     this process's LOCK_SH on .lock.workers) still write. An acquirer is refused with one line
     naming them and the dead launcher, whose record stays; once they are gone it takes over.
+    A dead rank 0's record (it names a job) is said to be that, and refused at once, not waited for.
     The launcher's own check drops .lock.workers at once: its workers take it while it holds .lock."""
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
     dead = _dead_pid()
-    record = {"host": os.uname().nodename, "pid": dead, "started": time.time() - 60, "job": "j@launch-a"}
+    record = {"host": os.uname().nodename, "pid": dead, "started": time.time() - 60, "job": None}
     with open(os.path.join(run_dir, ".lock"), "w") as f:
         json.dump(record, f)
     hold_for_worker(run_dir, check=False)  # a worker of that job: its record is not this process's
@@ -90,6 +91,15 @@ def test_workers_of_a_dead_launcher_keep_the_run_dir_busy_though_its_lock_is_fre
                                           f"(its launcher was pid {dead} on host ")
         assert f"held by pid {os.getpid()} " in str(busy.value) and f"lock {run_dir}/.lock.workers held" in str(busy.value)
         assert parse_holder(open(os.path.join(run_dir, ".lock")).read()).pid == dead  # left for the next acquirer to name
+        record["job"] = "j@launch-a"  # a dead rank 0's (torchrun, several nodes): its agent may be restarting the job
+        with open(os.path.join(run_dir, ".lock"), "w") as f:
+            json.dump(record, f)
+        t0 = time.monotonic()
+        with pytest.raises(RunDirBusy) as busy:
+            RunLock(run_dir).acquire(wait_workers_s=30)
+        assert time.monotonic() - t0 < 5  # not waited for
+        assert str(busy.value).startswith(f"run dir {run_dir}: workers of job j@launch-a, whose rank 0 (pid {dead} on host ")
+        assert ", still hold the run dir (" in str(busy.value) and "launcher" not in str(busy.value)
         t0 = time.monotonic()
         with pytest.raises(RunDirBusy, match="still written by workers of this job's previous round \\(pid "):
             RunLock(run_dir, job="j", launch="launch-a").acquire(wait_same_job_s=0.5)  # its own job: waited for, bounded
@@ -167,7 +177,7 @@ def test_a_filesystem_without_flock_is_one_line_naming_the_run_dir_and_leaves_no
     line = str(e.value)
     assert line.startswith(f"run dir {os.path.abspath(run_dir)} cannot be locked: its filesystem does not support flock "
                            "(ENOLCK: No locks available)") and "\n" not in line
-    assert not os.path.exists(run_dir)  # nothing written
+    assert not os.path.exists(tmp_path / "nfs")  # nothing written: the parent it made went too
     def unsupported(fd, op):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 

@@ -248,4 +248,133 @@ def test_train_on_a_filesystem_without_flock_exits_2_with_one_line(tmp_path, mon
     assert result.exit_code == 2, result.output
     line = run_lock.no_flock_message(str(run_dir), OSError(errno.ENOLCK, "No locks available"))
     assert result.stderr.splitlines() == [f"error: {line}"]
-    assert not run_dir.exists()
+    assert not (tmp_path / "nfs").exists()  # neither the run dir nor the parent it made
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_acquirer_never_holds_the_lock_while_a_restarting_jobs_old_ranks_exit(tmp_path, capsys):
+    """Torchrun or several nodes: job T's rank 0 died (the kernel freed .lock), its other ranks are
+    still being stopped by T's agent (LOCK_SH on .lock.workers). A mistaken `resume` B meanwhile
+    is refused at once (the record names T: its agent may be restarting it) and holds nothing;
+    T's next round's rank 0 waits, without holding .lock, and gets the run dir once they exit."""
+    import fcntl
+    import threading
+
+    run_dir = str(tmp_path / "run")
+    first = RunLock(run_dir, job="j", launch="l").acquire()  # T's rank 0 ...
+    first.keep_until_exit(finished=False)
+    os.close(first.fd)  # ... dies: the kernel drops its flock
+    run_lock._LOCKS.discard(first)
+    ranks = os.open(os.path.join(run_dir, ".lock.workers"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(ranks, fcntl.LOCK_SH)  # T's other ranks, still exiting
+    seen = {}
+
+    def intruder():
+        t0 = time.monotonic()
+        try:
+            seen["b"] = RunLock(run_dir).acquire()
+        except RunDirBusy as e:
+            seen["b"] = e
+        seen["b_s"] = time.monotonic() - t0
+
+    b = threading.Thread(target=intruder)
+    b.start()
+    time.sleep(0.5)
+    threading.Timer(1.5, os.close, (ranks,)).start()  # T's old ranks finish exiting
+    t0 = time.monotonic()
+    lock = RunLock(run_dir, job="j", launch="l").acquire(wait_same_job_s=15)  # T's next round's rank 0
+    took = time.monotonic() - t0
+    b.join(timeout=40)
+    assert isinstance(seen["b"], RunDirBusy), seen
+    assert seen["b_s"] < 5, seen  # at once, not after a wait
+    line = str(seen["b"])
+    assert line.startswith(f"run dir {run_dir}: workers of job j@l, whose rank 0 (pid {os.getpid()} on host ")
+    assert "launcher" not in line and "\n" not in line
+    assert 1 <= took < 10 and "passes from this job's previous round" in lock.took_over
+    assert parse_holder(open(lock.path).read()).job == "j@l"
+    err = capsys.readouterr().err
+    assert "waiting up to 15s for the workers of this job's previous round to exit" in err and "took over" not in err
+    lock.release()
+
+
+def test_the_same_jobs_live_previous_rank_0_is_named_as_that_and_a_refusal_leaves_nothing_it_made(tmp_path):
+    """A rank 0 of job J finding J's previous round's rank 0 still holding .lock (hung, SIGSTOPped)
+    past its wait says so, not "another job"; an acquirer refused after waiting for workers leaves
+    no .lock it made, and none of the directories it made."""
+    import fcntl
+
+    from nereus.trainer.elastic.run_lock import waiting_message
+
+    run_dir = str(tmp_path / "run")
+    previous = RunLock(run_dir, job="j", launch="l").acquire()
+    t0 = time.monotonic()
+    with pytest.raises(RunDirBusy) as busy:
+        RunLock(run_dir, job="j", launch="l").acquire(wait_same_job_s=1)
+    assert 1 <= time.monotonic() - t0 < 5
+    assert str(busy.value).startswith(f"run dir {run_dir}: this job's previous round's rank 0 (pid {os.getpid()} on host ")
+    assert str(busy.value).endswith(", job j@l; lock " f"{run_dir}/.lock) did not exit within 1s: stop it, or use another --run-dir")
+    with pytest.raises(RunDirBusy, match="is in use by another job"):
+        RunLock(run_dir).acquire()  # a launcher: another job, at once
+    previous.release()
+    assert waiting_message("/r", Holder(host="h", pid=1, started=0.0, job="k"), 3).startswith(
+        "nereus: run dir /r: waiting up to 3s for the workers of job k, whose rank 0 is gone, to exit")
+
+    os.makedirs(run_dir)
+    ranks = os.open(os.path.join(run_dir, ".lock.workers"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(ranks, fcntl.LOCK_SH)  # workers that left no record
+    try:
+        with pytest.raises(RunDirBusy, match="launcher left no record.*held after 1s"):
+            RunLock(run_dir).acquire(wait_workers_s=1)
+        assert sorted(os.listdir(run_dir)) == [".lock.workers"]  # no 0-byte .lock left
+    finally:
+        os.close(ranks)
+    nested = tmp_path / "a" / "b" / "run"
+    RunLock(str(nested)).acquire().release()  # what it made, parents included, goes with it while empty
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_launcher_killed_while_making_its_sentinel_leaves_nothing_and_sentinels_are_forgotten_before_closed(tmp_path):
+    """A sentinel is made under a temporary name, locked, then renamed: a launcher killed in between
+    leaves `<sentinel>.tmp`, which a later launch removes once it is unlocked and not brand new."""
+    import fcntl
+
+    from nereus import launch
+
+    tag = "tmptag"
+    old = tmp_path / f"nereus-{tag}.123.0000abcd.launcher.tmp"
+    fresh = tmp_path / f"nereus-{tag}.124.0000abcd.launcher.tmp"
+    held = tmp_path / f"nereus-{tag}.125.0000abcd.launcher.tmp"
+    for path in (old, fresh, held):
+        path.write_text("")
+    past = time.time() - 2 * launch.SENTINEL_TMP_AGE_S
+    os.utime(old, (past, past))
+    os.utime(held, (past, past))
+    fd = os.open(held, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a live launcher renaming it
+    try:
+        assert launch.remove_stale_semaphores(tag, str(tmp_path)) == [str(old)]
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [fresh.name, held.name]
+
+    saved = dict(launch._SENTINELS)
+    launch._SENTINELS.clear()
+    try:
+        key = launch.hold_sentinel(tag, str(tmp_path))
+        path = launch.sentinel_path(tag, key, str(tmp_path))
+        assert os.path.exists(path) and launch.launcher_alive(tag, key, str(tmp_path))
+        closed = []
+        real_close = os.close
+
+        def close(fd):
+            closed.append(dict(launch._SENTINELS))  # what a reader of _SENTINELS would see meanwhile
+            real_close(fd)
+
+        os.close = close
+        try:
+            launch.drop_sentinels()
+        finally:
+            os.close = real_close
+        assert closed == [{}] and not launch._SENTINELS and not os.path.exists(path)
+    finally:
+        launch._SENTINELS.update(saved)
