@@ -14,9 +14,10 @@ The step (``trainer/runtime/step.py``) asks the job's algorithm what it needs, n
   its gradient clip. The runtime computes log-probs and values from its sharded logits
   (``parallel/vocab_parallel.py``), so the losses here never see a layout.
 
-A new algorithm is a class here and its hyperparameter section in ``config/schema.py``
-(listed in ``HYPERPARAMETERS`` and in ``JobConfig.algorithm``'s names; a test checks the three
-agree). Nothing else in ``trainer/`` names an algorithm: it reads ``cfg.algo_hp``."""
+A new algorithm is a class here and, in ``trainer/config/``, its hyperparameter section
+(``schema.py``: the class, its ``JobConfig`` field, ``HYPERPARAMETERS`` and ``Algorithm``; a test
+checks they agree) and its values' range checks (``checks.py``). Outside the registry and
+``trainer/config/`` no code names an algorithm (a test checks): it reads ``cfg.algo_hp``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The job config: one typed tree, its YAML loader and the checks the tree alone can make. No torch.
 
-- ``schema``  the tree: typed frozen dataclasses (``JobConfig`` and its sections), ``ConfigError``
+- ``schema``  the tree: typed frozen dataclasses (``JobConfig`` and its sections), ``ConfigError``, and the facts
+  their properties read off them (``algo_hp``, ``own_forward``, ``engine_owned``, ``optimizers``)
+- ``derived`` what the other rooms compute from the tree: ``decoder_spec``, ``lr_schedules``, ``warmup_from_ratio``
 - ``loader``  YAML 1.2 scalars, ``--set key.sub=value`` overrides, the typed build with did-you-mean
 - ``checks``  values in range, the plan against the world and the models' shapes
 - ``names``   the model-stage names (``actor.train``, ...), defined once
@@ -12,11 +14,13 @@ need the other rooms) is ``trainer/prepare.py``'s ``load_config``.
 """
 
 from .checks import check_config
+from .derived import decoder_spec, lr_schedules, warmup_from_ratio
 from .loader import YamlLoader, apply_overrides, build_tree, config_to_dict
 from .schema import (
+    DEFAULT_ALGORITHM,
+    HYPERPARAMETERS,
     MIN_COLLECTIVE_TIMEOUT_S,
     MODEL_SECTIONS,
-    DEFAULT_ALGORITHM,
     ActorPlan,
     Algorithm,
     ConfigError,
@@ -25,7 +29,6 @@ from .schema import (
     DataConfig,
     ElasticConfig,
     GRPOConfig,
-    HYPERPARAMETERS,
     InferPlan,
     JobConfig,
     LoggingConfig,
@@ -40,9 +43,6 @@ from .schema import (
     TaskConfig,
     TokenizerConfig,
     ValidationConfig,
-    decoder_spec,
-    lr_schedules,
-    warmup_from_ratio,
 )
 
 __all__ = [

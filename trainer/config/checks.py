@@ -25,8 +25,9 @@ from typing import Protocol
 from nereus.reshard.derive import check_tp, plan_layer_ranges
 from nereus.reshard.errors import LayoutError
 
-from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, MODEL_STAGES, REF_INFER, REWARD_INFER
-from .schema import HYPERPARAMETERS, MIN_COLLECTIVE_TIMEOUT_S, MODEL_SECTIONS, ConfigError, JobConfig, StageConfig, decoder_spec, lr_schedules, warmup_from_ratio
+from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, MODEL_STAGES, REF_INFER, REWARD_INFER, is_train
+from .derived import decoder_spec, lr_schedules, warmup_from_ratio
+from .schema import HYPERPARAMETERS, MIN_COLLECTIVE_TIMEOUT_S, MODEL_SECTIONS, ConfigError, JobConfig, StageConfig
 
 
 class TaskShape(Protocol):
@@ -237,10 +238,10 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig, longest_row: int) 
     except LayoutError as e:
         raise ConfigError(f"{name} (tp={sc.tp}, pp={sc.pp}) does not fit '{key}': {e}") from None
     algo = cfg.algo_hp
-    if stage.endswith(".train") and algo.minibatch_size % sc.dp:
+    if is_train(stage) and algo.minibatch_size % sc.dp:
         raise ConfigError(f"{name}: dp={sc.dp} does not divide {cfg.algorithm}.minibatch_size={algo.minibatch_size}")
     if sc.micro_batch_size is not None:
-        rows, what = (algo.minibatch_size, f"{cfg.algorithm}.minibatch_size") if stage.endswith(".train") else (cfg.batch_size, "the rollout batch")
+        rows, what = (algo.minibatch_size, f"{cfg.algorithm}.minibatch_size") if is_train(stage) else (cfg.batch_size, "the rollout batch")
         if rows % sc.dp or (rows // sc.dp) % sc.micro_batch_size:
             raise ConfigError(
                 f"{name}: micro_batch_size={sc.micro_batch_size} does not divide the {rows / sc.dp:g} rows of a replica "
@@ -255,7 +256,7 @@ def _check_recompute_and_tokens(cfg: JobConfig, name: str, stage: str, sc: Stage
     inference stages, instead of ``micro_batch_size`` and at least the longest row."""
     if sc.recompute not in ("none", "full", "selective"):
         raise ConfigError(f"{name}: recompute={sc.recompute!r} is not one of none, full, selective")
-    if sc.recompute != "none" and not stage.endswith(".train"):
+    if sc.recompute != "none" and not is_train(stage):
         raise ConfigError(f"{name}: recompute={sc.recompute} applies to training stages only (no activations are kept here)")
     if sc.micro_batch_tokens is None:
         return

@@ -31,6 +31,16 @@ def model_of(key: str) -> str:
     return key.split(".")[0]
 
 
+def own_forward_piece(key: str) -> str:
+    """The piece of training stage ``key``'s own forward (``actor.train.infer``)."""
+    return f"{key}{OWN_FORWARD}"
+
+
+def train_stage(model: str) -> str:
+    """A model's training stage: ``critic.train`` of ``critic``."""
+    return f"{model}.train"
+
+
 def sync_piece(key: str) -> str:
     """The piece of the weight sync that fills synced copy ``key`` (``sync.actor.gen``)."""
     return f"{SYNC}{key}"
@@ -44,3 +54,34 @@ def piece_stage(name: str) -> str:
     if name in (ACTOR_TRAIN_INFER, CRITIC_TRAIN_INFER):
         return name[: -len(OWN_FORWARD)]
     return name
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(model, stage) of a model-stage: ``("critic", "train")`` of ``critic.train``."""
+    model, stage = key.split(".")
+    return model, stage
+
+
+def stage_of(key: str) -> str:
+    """The stage of a model-stage: ``train``, ``gen`` or ``infer``."""
+    return key.split(".")[1]
+
+
+def is_train(key: str) -> bool:
+    """Whether ``key`` is a training model-stage (``actor.train``, ``critic.train``)."""
+    return key.endswith(".train")
+
+
+def is_gen(key: str) -> bool:
+    """Whether ``key`` is the rollout's model-stage (``actor.gen``)."""
+    return key.endswith(".gen")
+
+
+def is_infer(key: str) -> bool:
+    """Whether ``key`` is an inference model-stage (``critic.infer``, ``ref.infer``, ``reward.infer``)."""
+    return key.endswith(".infer")
+
+
+def is_own_forward(name: str) -> bool:
+    """Whether piece ``name`` is a training layout's own forward (``actor.train.infer``)."""
+    return name in (ACTOR_TRAIN_INFER, CRITIC_TRAIN_INFER)

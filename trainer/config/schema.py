@@ -12,14 +12,12 @@ ranks default to all ``nproc`` ranks.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from nereus.reshard.derive import DecoderSpec
 from nereus.reshard.layout import ParallelConfig
 
-from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN
+from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, model_of
 
 
 class ConfigError(ValueError):
@@ -440,41 +438,10 @@ class JobConfig:
 
     def stage_model(self, stage: str) -> tuple[str, ModelConfig, str]:
         """(config key, model config, head) of a dotted model-stage name."""
-        model = stage.split(".")[0]
+        model = model_of(stage)
         if model == "critic":
             return ("critic" if self.critic is not None else "model"), self.critic_model, "value"
         if model == "reward":
             assert self.reward_model is not None
             return "reward_model", self.reward_model, "value"
         return "model", self.model, "lm"
-
-
-def decoder_spec(model: ModelConfig, *, head: str = "lm") -> DecoderSpec:
-    """The reshard DecoderSpec of a (vocab-resolved) model config."""
-    if model.vocab_size is None:
-        raise ConfigError("model vocab_size is unresolved; load the config with load_config")
-    return DecoderSpec(
-        vocab_size=model.vocab_size,
-        hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size,
-        num_layers=model.num_layers,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        qkv_bias=model.qkv_bias,
-        tie_embeddings=model.tie_embeddings,
-        head=head,
-        dtype=model.dtype,
-    )
-
-
-def lr_schedules(cfg: JobConfig) -> dict[str, LRScheduleConfig]:
-    """Config key -> schedule section of each trained model of the job, by model-stage order
-    (actor, then the critic under PPO)."""
-    hp = cfg.algo_hp
-    return {f"{cfg.algorithm}.{key}": getattr(hp, key) for _, key in hp.optimizers().values()}
-
-
-def warmup_from_ratio(ratio: float, total: int) -> int:
-    """⌊ratio · total⌋, rounded first so that 0.29 · 100 is 29 (not 28.999… → 28)."""
-    return int(math.floor(round(ratio * total, 9)))

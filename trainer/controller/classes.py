@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import StageConfig
+from ..config.names import is_train
 
 
 def layout_kind(sc: StageConfig) -> str:
@@ -30,7 +31,7 @@ def rank_class(stages) -> str:
     """The memory class of a rank: the kinds of the training layouts it holds, e.g.
     ``actor.train:fsdp,critic.train:tp`` (``stages``: (key, StageConfig or its
     ``layout_kind``) pairs)."""
-    return ",".join(sorted(f"{key}:{sc if isinstance(sc, str) else layout_kind(sc)}" for key, sc in stages if key.endswith(".train")))
+    return ",".join(sorted(f"{key}:{sc if isinstance(sc, str) else layout_kind(sc)}" for key, sc in stages if is_train(key)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -78,6 +78,7 @@ from nereus.reshard.derive import vocab_shard_rows
 from nereus.reshard.layout import itemsize
 
 from ..config import ConfigError, JobConfig, StageConfig
+from ..config.names import is_gen, is_train
 from .candidates import (
     RECOMPUTE, Candidates, FixedBatching, kept_of, micro_batching, per_unique, read_only, stage_layers,
 )
@@ -168,7 +169,7 @@ def memory_at(
 
     args = args or model_args(cfg, key)
     spec = args.spec
-    train = key.endswith(".train")
+    train = is_train(key)
     size = itemsize(args.compute)
     seq = seq or args.max_seq_len
 
@@ -190,7 +191,7 @@ def memory_at(
                                                           pp, stage, c.recompute[which]).T)
     weights = kept_with_c("weights", lambda: c.elements(spec)[layout, stage] * itemsize(spec.dtype))
     last = stage == pp - 1
-    if key.endswith(".gen"):
+    if is_gen(key):
         kv_local = np.maximum(spec.num_kv_heads // tp, 1)
         transient = 2 * layers * kv_local * spec.dim_head * rows * seq * size
         if spec.head == "lm":

@@ -47,7 +47,7 @@ from nereus.reshard.derive import check_tp
 from nereus.reshard.errors import LayoutError
 
 from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
-from ..config.names import SYNCED
+from ..config.names import SYNCED, is_gen, is_train, split_key
 from ..data.tasks import longest_row
 from ..models.args import model_args
 from .candidates import RECOMPUTE, Candidates, kept_of
@@ -105,7 +105,7 @@ def stage_options(cfg: JobConfig, key: str, ranks: tuple[int, ...], work: Worklo
 
 def stage_candidates(cfg: JobConfig, key: str, ranks: tuple[int, ...], work: Workload) -> Candidates:
     """``stage_options`` as arrays (``Candidates``), without building a StageConfig each."""
-    return _stage_candidates(cfg, key, ranks, work.minibatch if key.endswith(".train") else work.batch, work.row_mean < work.width)
+    return _stage_candidates(cfg, key, ranks, work.minibatch if is_train(key) else work.batch, work.row_mean < work.width)
 
 
 @functools.lru_cache(maxsize=256)
@@ -117,7 +117,7 @@ def _stage_candidates(cfg: JobConfig, key: str, ranks: tuple[int, ...], rows: in
         return Candidates.of([cfg.plan.stages()[key]])
     spec = model_args(cfg, key).spec
     n = len(ranks)
-    train, gen = key.endswith(".train"), key.endswith(".gen")
+    train, gen = is_train(key), is_gen(key)
     vllm = gen and cfg.rollout.engine == "vllm"
     explicit = None if ranks == tuple(range(cfg.nproc)) else ranks
     longest = longest_row(cfg)
@@ -320,7 +320,7 @@ def placement_groups(cfg: JobConfig, placement: str) -> dict[str, tuple[int, tup
     if placement == "colocated" or cfg.nproc < 2:
         return {k: (0, everyone) for k in keys}
     half = cfg.nproc // 2
-    return {k: ((0, everyone[:half]) if k.endswith(".gen") else (1, everyone[half:])) for k in keys}
+    return {k: ((0, everyone[:half]) if is_gen(k) else (1, everyone[half:])) for k in keys}
 
 
 def running_groups(cfg: JobConfig, plan: PlanConfig) -> dict[str, tuple[int, tuple[int, ...]]] | None:
@@ -358,7 +358,7 @@ class _Partial:
         resident, transient, ids = self.resident[old], self.transient[old], self.classes[old]
         resident[:, g] += p.resident[new]
         transient[:, g] = np.maximum(transient[:, g], p.transient[new])
-        if p.key.endswith(".train"):
+        if is_train(p.key):
             ids[:, g] = classes.grow(ids[:, g], p.key, p.kind[new], p.kinds)
         return _Partial(seconds=seconds if rows is None else seconds[rows], resident=resident, transient=transient, classes=ids,
                         picks=np.hstack([self.picks[old], new[:, None]]))
@@ -518,7 +518,7 @@ def _prune(grown: _Partial, classes: ClassRegistry, budget: float | None, beam: 
 def _with_ranks(plan: PlanConfig, like: PlanConfig) -> PlanConfig:
     """``plan`` with each stage's ``ranks`` field as ``like`` has it."""
     for key, sc in like.stages().items():
-        model, stage = key.split(".")
+        model, stage = split_key(key)
         part = getattr(plan, model)
         plan = dataclasses.replace(plan, **{model: dataclasses.replace(part, **{stage: dataclasses.replace(getattr(part, stage), ranks=sc.ranks)})})
     return plan
@@ -527,7 +527,7 @@ def _with_ranks(plan: PlanConfig, like: PlanConfig) -> PlanConfig:
 def _plan(cfg: JobConfig, picked: list[tuple[str, StageConfig]]) -> PlanConfig:
     plan = cfg.plan
     for key, sc in picked:
-        model, stage = key.split(".")
+        model, stage = split_key(key)
         sub = getattr(plan, model)
         plan = dataclasses.replace(plan, **{model: dataclasses.replace(sub, **{stage: sc})})
     return plan

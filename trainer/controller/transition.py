@@ -39,7 +39,7 @@ from nereus.reshard.graph import plan_graph
 from nereus.reshard.links import LINK_CLASSES, LinkCost, calibrate
 
 from ..config import JobConfig, PlanConfig, StageConfig
-from ..config.names import SYNCED
+from ..config.names import SYNCED, is_train, split_key
 from .candidates import layout_of
 
 REBUILD_SECONDS = 0.3  # prior per rebuilt model-stage (this CPU: module build, groups, optimizer)
@@ -61,7 +61,7 @@ def stage_emus(cfg: JobConfig, key: str, sc: StageConfig, nproc: int):
     from ..rollout.vllm_layout import vllm_emus
 
     args = model_args(cfg, key)
-    model, stage = key.split(".")
+    model, stage = split_key(key)
     config = sc.parallel_config(nproc)
     if cfg.engine_owned(key):
         return vllm_emus(args.spec, config, model=model, stage=stage)
@@ -120,7 +120,7 @@ class TransitionModel:
 
         busiest = max(m.resident for m in pipeline_memory(cfg, key, sc, ends=True))
         per_stage = -(-len(plan_parameters(model_args(cfg, key).spec)) // sc.pp)
-        tensors = per_stage * (3 if key.endswith(".train") else 1)  # weights, and AdamW's two moments
+        tensors = per_stage * (3 if is_train(key) else 1)  # weights, and AdamW's two moments
         i = LINK_CLASSES.index("cross")
         return tensors * self.link.alpha[i] + busiest / self.link.beta[i], busiest * cfg.nproc
 
@@ -142,7 +142,7 @@ class TransitionModel:
 def refilled(cfg: JobConfig, key: str) -> bool:
     """Whether the executor refills ``key`` from its weight sync instead of moving its state:
     a weight-synced copy (``SYNCED``) of the built-in engine (a vLLM engine's copy moves)."""
-    return key in SYNCED and not (cfg.engine_owned(key))
+    return key in SYNCED and not cfg.engine_owned(key)
 
 
 def move_order(cfg: JobConfig, old: PlanConfig, new: PlanConfig, *, groups=None) -> list[str]:

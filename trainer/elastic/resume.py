@@ -15,7 +15,7 @@ The state then loads into whatever layouts the plan gives (``Trainer.restore``: 
 reads the boxes it needs from the checkpoint, through reshard's staged path); the prompt
 sampler's position, the LR schedules and the step counter come back with it, and rollouts
 are sampled by (step, row), never by replica, so the resumed job samples what the
-uninterrupted one would have (``generate.py``).
+uninterrupted one would have (``rollout/generator.py``).
 """
 
 from __future__ import annotations

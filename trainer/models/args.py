@@ -12,6 +12,7 @@ import dataclasses
 import functools
 
 from ..config import JobConfig, decoder_spec
+from ..config.names import is_train
 from .decoder import Llama3RopeScaling, ModelArgs
 
 
@@ -20,7 +21,7 @@ def model_args(cfg: JobConfig, key: str) -> ModelArgs:
     """The ``ModelArgs`` of model-stage ``key`` (``"actor.train"``, ...); cached (configs are frozen)."""
     _, model, head = cfg.stage_model(key)
     spec = decoder_spec(model, head=head)
-    train = key.endswith(".train")
+    train = is_train(key)
     master = "float32" if model.dtype in ("bfloat16", "float16") else model.dtype
     return ModelArgs(
         spec=dataclasses.replace(spec, dtype=master) if train else spec,

@@ -83,7 +83,7 @@ from nereus.reshard.layout import DTYPES, ParallelConfig
 from ..models.decoder import ModelArgs
 from ..seeds import row_seed
 from .generator import Rollout, left_pad
-from .vllm_install import INSTALL_HINT, VLLMUnavailableError, import_vllm, vllm_missing  # noqa: F401 - re-exported
+from .vllm_install import import_vllm
 from .vllm_layout import (  # the layout rules, re-exported: callers import them from here too
     VLLM_CPU_HEAD_DIMS,
     VOCAB,

@@ -1,6 +1,7 @@
 """vLLM's weight layout for the rollout (pure: no vllm import): its parameter names and
-shapes per TP rank, the EMUs reshard writes them by (``vllm_emus``), and the views of vLLM's
-live parameters that are reshard's target buffers (``nereus_buffers``). ``vllm_engine.py``
+shapes per TP rank, the EMUs reshard writes them by (``vllm_emus``), the views of vLLM's
+live parameters that are reshard's target buffers (``nereus_buffers``), and the plans vLLM
+can run (``check_vllm_plan``; on its CPU build, ``check_vllm_on_cpu``). ``vllm_engine.py``
 runs the engine on them.
 
 vLLM's parameters on TP rank t of tp (Llama/Qwen2; h hidden, d head_dim, H heads, K KV heads,

@@ -19,6 +19,7 @@ import os
 from dataclasses import replace
 
 from ..config import config_to_dict
+from ..config.names import model_of
 from ..models.decoder import ModelArgs
 from ..parallel.parallelize import init_tensor, load_full
 from . import lr_schedule
@@ -38,13 +39,13 @@ def save(trainer) -> None:
     from nereus.store.hf import HFCheckpoint, side_files
 
     emus = [e for s in trainer.trained_stages() for e in s.emus]
-    buffers = {s.key.split(".")[0]: s.buffers() for s in trainer.trained_stages()}
+    buffers = {model_of(s.key): s.buffers() for s in trainer.trained_stages()}
     # each model's HF config (as trained: its head, its shapes; the rest of its source's
     # config.json) and, on the coordinator, its source's side files: `nereus convert
     # RUN_DIR/checkpoints OUT --to hf --model actor` exports what this saves
     configs, files = {}, {}
     for s in trainer.trained_stages():
-        model, source = s.key.split(".")[0], trainer.cfg.stage_model(s.key)[1]
+        model, source = model_of(s.key), trainer.cfg.stage_model(s.key)[1]
         original = HFCheckpoint.open(source.path).config if source.path else {}
         dtype = next(t.dtype for e in s.emus for t in e.tensors if not t.name.startswith("optim/"))
         hf = s.args.to_hf_config()
@@ -81,7 +82,7 @@ def stage(trainer, stager) -> None:
     from ..elastic.staging import staged_state
 
     plan = config_to_dict(trainer.cfg.plan)
-    buffers = {s.key.split(".")[0]: s.buffers() for s in trainer.trained_stages()}
+    buffers = {model_of(s.key): s.buffers() for s in trainer.trained_stages()}
     state = job_state(trainer)
     stager.stage(trainer.step, [e for s in trainer.trained_stages() for e in s.emus], buffers,
                  {**state, **staged_state(trainer.cfg.run_dir, state.get("lineage"))}, plan)
@@ -97,14 +98,14 @@ def restore(trainer, root: str | None = None, *, step: int | None = None) -> int
     if not CheckpointStore(root).steps():
         raise FileNotFoundError(f"--resume: no committed checkpoint under {root}")
     emus = [e for s in trainer.trained_stages() for e in s.emus]
-    buffers = {s.key.split(".")[0]: s.buffers() for s in trainer.trained_stages()}
+    buffers = {model_of(s.key): s.buffers() for s in trainer.trained_stages()}
     manifest, _ = load_checkpoint(root, emus, trainer.rank, buffers, step=step)
     trainer.step = manifest.step
     trainer.restored_state = dict(manifest.state or {})
     trainer.source.load_state_dict(trainer.restored_state.get("data", {}))
     for stage in trainer.trained_stages():  # AdamW's step came back with its state: the schedule resumes from it
         trainer.attach_schedule(stage.key, stage)
-        saved = trainer.restored_state.get("lr_schedule", {}).get(stage.key.split(".")[0])
+        saved = trainer.restored_state.get("lr_schedule", {}).get(model_of(stage.key))
         if saved and stage.optimizer is not None and saved["optimizer_steps"] != lr_schedule.optimizer_step_count(stage.optimizer):
             raise RuntimeError(f"checkpoint of step {trainer.step}: {stage.key}'s optimizer restored at update "
                                f"{lr_schedule.optimizer_step_count(stage.optimizer)}, but it was saved at {saved['optimizer_steps']}")

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from nereus.reshard.gather import gather_full
 
 from ..config import JobConfig, config_to_dict
+from ..config.names import is_train
 from ..prepare import load_config
 from ..metrics.log import flatten, peak_memory_bytes
 
@@ -88,7 +89,7 @@ def _worker(base: dict, plans: list[tuple[str, ...]], steps: int, tensor_peaks: 
                     first = {k: v for k, v in flatten({k: v for k, v in metrics.items() if k not in TIMING_KEYS}).items()}
                     state = {}
                     for key, stage in trainer.stages.items():
-                        if key.endswith(".train"):
+                        if is_train(key):
                             full = gather_full(stage.emus, stage.buffers(), rank)
                             state.update({f"{key}/{n}": t.numpy() for n, t in (full or {}).items()})
             peaks: list = [None] * dist.get_world_size()

@@ -38,7 +38,7 @@ from nereus.reshard.layout import EMU, ParallelConfig
 
 from ..config import JobConfig, StageConfig
 from ..algos.ppo import LossSums
-from ..config.names import ACTOR_GEN
+from ..config.names import ACTOR_GEN, is_gen, is_train, model_of, stage_of
 from ..models.args import model_args
 from ..models.decoder import ModelArgs, set_recompute
 from ..parallel.packing import Packing, balanced_order, pack_batch, pack_count
@@ -131,11 +131,11 @@ def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu", 
         groups = stage_groups(config, args.spec, rank)
         part = None
         if groups:
-            gen = key.endswith(".gen")  # the generator samples from gathered logits
+            gen = is_gen(key)  # the generator samples from gathered logits
             part = build_stage(args, config, rank, dp_shard=sc.dp_shard, device=device, groups=groups, vocab_parallel=not gen)
-        train = key.endswith(".train")
+        train = is_train(key)
         stage = ModelStage(key=key, args=args, config=config, settings=sc, part=part)
-        stage.emus = derive_emus(args.spec, config, model=key.split(".")[0], stage=key.split(".")[1], optimizer=train, dp_shard=sc.dp_shard)
+        stage.emus = derive_emus(args.spec, config, model=model_of(key), stage=stage_of(key), optimizer=train, dp_shard=sc.dp_shard)
         stage.group = _stage_group(config)
         if part is not None:
             stage.norm_weights = _norm_weights(stage, rank)

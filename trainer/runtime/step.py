@@ -50,7 +50,7 @@ from ..algos.advantages import kl_k1, masked_mean, minibatch_indices
 from ..algos.registry import Trained, algorithm
 from ..config import JobConfig
 from ..config.names import (ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER, REWARD_INFER,
-                            model_of, sync_piece)
+                            is_train, model_of, sync_piece)
 from ..data.prompts import Prompts, make_source
 from ..metrics.log import peak_memory
 from ..metrics.meters import StageMeter, rss_bytes, trim_heap
@@ -84,7 +84,7 @@ class Trainer:
                     load_hf(stage, model.path, fresh_head=(seed, model.init_std))
                 else:  # the actor's and reference's LM, or a critic:/reward_model: value checkpoint
                     load_hf(stage, model.path)
-            if key.endswith(".train"):
+            if is_train(key):
                 make_optimizer(stage, self.lr(key))
                 self.attach_schedule(key, stage)
         self.syncs = transition.plan_syncs(self.stages)
@@ -110,7 +110,7 @@ class Trainer:
 
     def trained_stages(self) -> list[ModelStage]:
         """The training model-stages (what a checkpoint holds), in plan order."""
-        return [s for k, s in self.stages.items() if k.endswith(".train")]
+        return [s for k, s in self.stages.items() if is_train(k)]
 
     def apply_plan(self, plan, *, verify: bool = False) -> dict:
         """Move the job to ``plan`` between steps (``transition.apply_plan``; collective)."""

@@ -28,7 +28,7 @@ from nereus.reshard.graph import plan_graph
 from nereus.reshard.plan import plan_transfers
 from nereus.reshard.stream import StagingArena
 
-from ..config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN
+from ..config.names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, is_train, split_key
 from ..metrics.meters import release_freed_memory, trim_heap
 from .stages import ModelStage, build_stages, make_optimizer
 
@@ -160,7 +160,7 @@ def _with_stages(plan, target, keys):
 
     a, b = config_to_dict(plan), config_to_dict(target)
     for key in keys:
-        model, stage = key.split(".")
+        model, stage = split_key(key)
         a.setdefault(model, {})[stage] = b[model][stage]
     return build_tree(PlanConfig, a, "plan.")
 
@@ -183,7 +183,7 @@ def _move_stage(trainer, target, key: str, verify: bool) -> tuple[int, int]:
     error, transfers, fresh = None, None, None
     try:  # every rank's own part, agreed on below before any state moves
         fresh = build_stages(new_cfg, trainer.rank, trainer.device, keys=[key])[key]  # groups first: collective, in order
-        if key.endswith(".train") and fresh.part is not None:
+        if is_train(key) and fresh.part is not None:
             make_optimizer(fresh, trainer.lr(key))
         if not refill and old is not None:
             transfers = plan_transfers(old.emus, fresh.emus)
@@ -220,7 +220,7 @@ def _move_stage(trainer, target, key: str, verify: bool) -> tuple[int, int]:
         count = _verify_moved(trainer, [key], {key: fresh}) if verify and transfers is not None else 0
     except RuntimeError as e:  # agreed on rank 0's verdict: every rank refuses this stage
         raise TransitionRefused(str(e)) from e
-    if key.endswith(".train"):  # AdamW's step moved with its state: the schedule continues from it
+    if is_train(key):  # AdamW's step moved with its state: the schedule continues from it
         trainer.attach_schedule(key, fresh)
     trainer.stages[key] = fresh  # the old stage is released here
     trainer.cfg = new_cfg

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
+from ..config.names import is_train, split_key
 from ..controller.online import plan_key
 from ..controller.search import search, stage_candidates
 from ..controller.transition import move_order
@@ -103,7 +104,7 @@ def explicit(plan: PlanConfig, nproc: int) -> PlanConfig:
 
 
 def replace_stage(plan: PlanConfig, key: str, sc: StageConfig) -> PlanConfig:
-    model, stage = key.split(".")
+    model, stage = split_key(key)
     return dataclasses.replace(plan, **{model: dataclasses.replace(getattr(plan, model), **{stage: sc})})
 
 
@@ -124,7 +125,7 @@ def scale(cfg: JobConfig, n: int) -> JobConfig | None:
 
     def one(key: str, sc: StageConfig) -> StageConfig:
         start, count = (0, n) if sc.ranks is None else (sc.ranks[0] * n // old, len(sc.ranks) * n // old)
-        rows = hp.minibatch_size if key.endswith(".train") else cfg.batch_size
+        rows = hp.minibatch_size if is_train(key) else cfg.batch_size
         dp = next((d for d in range(count // (sc.tp * sc.pp), 0, -1) if rows % d == 0), 0)
         if dp == 0:
             failed.append(key)

@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 from trainer.config import names
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -26,14 +28,32 @@ def test_the_names_module_defines_every_model_stage_and_piece():
     assert [names.model_of(k) for k in names.MODEL_STAGES] == ["actor", "actor", "critic", "critic", "ref", "reward"]
 
 
-def test_no_module_spells_a_model_stage_name_out():
-    files = [p for folder in ("trainer", "cli", "nereus", "tools") for p in sorted((ROOT / folder).rglob("*.py"))]
+FRAGMENTS = {".train", ".gen", ".infer", ".train.infer"}
+"""The suffixes a model-stage or piece name is built from: ``key.endswith(".train")`` is ``names.is_train``."""
+
+
+def _spelled(root: Path) -> list[str]:
+    files = [p for folder in ("trainer", "cli", "nereus", "tools") for p in sorted((root / folder).rglob("*.py"))]
     found = []
     for path in files:
-        if path.name == "names.py":
+        if path == root / "trainer" / "config" / "names.py":
             continue
         tree = ast.parse(path.read_text(), str(path))
         docs = _docstrings(tree)
-        found += [f"{path.relative_to(ROOT)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
-                  if isinstance(n, ast.Constant) and n.value in SPELLED and id(n) not in docs]
+        found += [f"{path.relative_to(root)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and (n.value in SPELLED or n.value in FRAGMENTS) and id(n) not in docs]
+    return found
+
+
+def test_no_module_spells_a_model_stage_name_out():
+    found = _spelled(ROOT)
     assert not found, f"model-stage names spelled outside trainer/config/names.py: {found}"
+
+
+@pytest.mark.parametrize("planted", ['x = "actor.train"', 'x = key.endswith(".gen")', 'x = name.startswith("sync.")',
+                                     'x = f"{model}.train"', 'x = stage + ".infer"'])
+def test_the_scan_finds_a_name_or_a_fragment_spelled_out(tmp_path, planted):
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "planted.py").write_text(f'"""Docs may say actor.train."""\n{planted}\n')
+    found = _spelled(tmp_path)
+    assert len(found) == 1 and found[0].startswith("trainer/planted.py:2 "), found

@@ -32,18 +32,16 @@ from nereus.trainer.models.decoder import ModelArgs
 from nereus.trainer.rollout.engine import check_rollout_plan
 from nereus.trainer.rollout.vllm_engine import (
     VLLMEngine,
-    VLLMUnavailableError,
     check_vllm_plan,
     cpu_kv_cache_bytes,
-    import_vllm,
     nereus_buffers,
     rollout_from_tokens,
     vllm_emus,
     vllm_hf_config,
     vllm_param_names,
-    vllm_missing,
     vocab_rows,
 )
+from nereus.trainer.rollout.vllm_install import VLLMUnavailableError, import_vllm, vllm_missing
 from tests.distributed_harness import run_distributed
 
 from tests.trainer.config.test_config import CONFIGS, tiny

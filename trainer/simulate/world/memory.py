@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 from nereus.trainer.config import JobConfig, StageConfig
-from nereus.trainer.config.names import ACTOR_TRAIN, CRITIC_TRAIN, SYNCED
+from nereus.trainer.config.names import ACTOR_TRAIN, CRITIC_TRAIN, SYNCED, is_gen, is_infer, is_train
 
 from .links import stage_ranks
 from .shapes import Lengths, ModelShape
@@ -46,7 +46,7 @@ _KV_GRID = np.linspace(0.0, 1.0, 33)
 
 
 def stage_kind(key: str, *, infer: bool = False) -> str:
-    return "infer" if infer or key.endswith(".infer") else "gen" if key.endswith(".gen") else "train"
+    return "infer" if infer or is_infer(key) else "gen" if is_gen(key) else "train"
 
 
 def layout_class(key: str, sc: StageConfig, *, infer: bool = False) -> str:
@@ -59,7 +59,7 @@ def resident_bytes(key: str, sc: StageConfig, shape: ModelShape) -> np.ndarray:
     """Per pipeline stage, the state a rank holds all step long."""
     e = shape.rank_elements(sc.tp, sc.pp)
     fsdp = sc.dp_shard and sc.dp > 1
-    if key.endswith(".train"):
+    if is_train(key):
         return e * (12 if fsdp else 14) / (sc.dp if fsdp else 1)
     return e * shape.nbytes / (sc.dp if fsdp else 1)
 
@@ -196,7 +196,7 @@ def move_peak(cfg: JobConfig, old, new, order: list[str], *, slack: Callable[[st
     current = sum(held.values(), np.zeros(n))
     peak = current.copy()
     for k in order:
-        freed = held.get(k, 0) if k in SYNCED_COPIES and not (cfg.engine_owned(k)) else 0
+        freed = held.get(k, 0) if k in SYNCED_COPIES and not cfg.engine_owned(k) else 0
         peak = np.maximum(peak, current - freed + coming[k])
         current = current - held.get(k, 0) + coming[k]
     return float(((peak + workspace) * (1 + worst) + reserved).max())

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from nereus.trainer.config import JobConfig, PlanConfig, StageConfig
-from nereus.trainer.config.names import OWN_FORWARD, SYNC, SYNCED, piece_stage, sync_piece
+from nereus.trainer.config.names import SYNC, SYNCED, is_own_forward, is_train, model_of, own_forward_piece, piece_stage, sync_piece, train_stage
 
 from . import memory, noise
 from .generate import gen_seconds
@@ -58,15 +58,13 @@ def pieces(cfg: JobConfig) -> list[str]:
             out.append(sync_piece(key))
         out.append(key)
         if cfg.own_forward(key):
-            out.append(f"{key}{OWN_FORWARD}")
+            out.append(own_forward_piece(key))
     return out
-
-
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Hardware:
-    """What the world tells about its devices (what ``Truth.profile`` is read for)."""
+    """What the world tells about its devices (``world.profile``: what a policy may read of them)."""
 
     name: str
     kind: str
@@ -143,7 +141,7 @@ class World:
             src = stages[SYNCED[key]]
             return self._memo(("sync", key, sc, src, cfg.nproc, ModelShape.of(cfg, key), len(lengths)),
                               lambda: self._sync(cfg, key, len(lengths)))
-        mode = "infer" if name.endswith(".train.infer") else memory.stage_kind(key)
+        mode = "infer" if is_own_forward(name) else memory.stage_kind(key)
         st = self._stage(cfg, key, sc)
         fn = {"train": train_seconds, "infer": infer_seconds, "gen": gen_seconds}[mode]
         return self._memo((mode, key, st.shape, sc, cfg.nproc, lengths.key), lambda: fn(st, lengths))
@@ -303,7 +301,8 @@ class World:
             shape = ModelShape.of(cfg, key)
             per = _state_bytes(key, b[key], shape)
             target = holding(b[key], shape, n=n, nproc=cfg.nproc, per_param=per)
-            source = key if key in a else f"{key.split('.')[0]}.train" if f"{key.split('.')[0]}.train" in a else None
+            trained = train_stage(model_of(key))  # a copy's state comes from its training stage
+            source = key if key in a else trained if trained in a else None
             if source is not None:
                 m = moves(holding(a[source], shape, n=n, nproc=cfg.nproc, per_param=per), target, self.per_node)
                 total = m if total is None else total + m
@@ -322,7 +321,7 @@ def _layout(sc: StageConfig, nproc: int) -> StageConfig:
 def _state_bytes(key: str, sc: StageConfig, shape: ModelShape) -> float:
     """Bytes per parameter a transition moves: a training stage its weights, fp32 masters and
     AdamW moments (FSDP: no separate compute copy), others their weights."""
-    if key.endswith(".train"):
+    if is_train(key):
         return 12.0 if sc.dp_shard and sc.dp > 1 else 14.0
     return float(shape.nbytes)
 
