@@ -325,10 +325,10 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
 
 def check_vllm_on_cpu(cfg: JobConfig) -> None:
     """What vLLM's CPU build cannot run, as a ConfigError before any worker starts
-    (``rollout/vllm_layout.py: check_vllm_on_cpu``)."""
-    from .rollout.vllm_layout import check_vllm_on_cpu as check
+    (``rollout/engine.py: check_rollout_plan``, on vLLM's CPU build)."""
+    from .rollout.engine import check_rollout_plan
 
     try:
-        check(decoder_spec(cfg.model), cfg.plan.actor.gen.tp)
+        check_rollout_plan(cfg.plan.actor.gen, cfg.rollout.engine, spec=decoder_spec(cfg.model), cpu=True)
     except LayoutError as e:
         raise ConfigError(str(e)) from None

@@ -50,6 +50,7 @@ from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
 from ..config.names import SYNCED, is_gen, is_train, split_key
 from ..data.tasks import longest_row
 from ..models.args import model_args
+from ..rollout.engine import rollout_plan_ok
 from .candidates import RECOMPUTE, Candidates, kept_of
 from .classes import ClassRegistry, MemoryFit, layout_kind, rank_class
 from .memory import GIB, HEADROOM, candidate_memory, gib
@@ -122,8 +123,8 @@ def _stage_candidates(cfg: JobConfig, key: str, ranks: tuple[int, ...], rows: in
     explicit = None if ranks == tuple(range(cfg.nproc)) else ranks
     longest = longest_row(cfg)
     layouts, knobs = [], []  # per layout: its (micro_batch_size, micro_batch_tokens, recompute) rows
-    max_tp = 1 if vllm and cfg.device_profile == "cpu" else (limits.max_tp or n)  # vLLM's CPU build: tp=1 (prepare.py)
-    for tp in _pow2(min(n, max_tp)):
+    cpu = cfg.device_profile == "cpu"  # the profile the plan is searched for: vLLM's CPU build where it is a CPU's
+    for tp in _pow2(min(n, limits.max_tp or n)):
         try:
             check_tp(spec, tp)
         except LayoutError:
@@ -136,7 +137,10 @@ def _stage_candidates(cfg: JobConfig, key: str, ranks: tuple[int, ...], rows: in
                 continue
             per_replica = rows // dp
             for shard in ((False, True) if train and dp > 1 else (False,)):
-                layouts.append(StageConfig(dp=dp, tp=tp, pp=pp, ranks=explicit, dp_shard=shard, fused=vllm))
+                sc = StageConfig(dp=dp, tp=tp, pp=pp, ranks=explicit, dp_shard=shard, fused=vllm)
+                if gen and not rollout_plan_ok(sc, cfg.rollout.engine, spec=spec, world=n, cpu=cpu):  # the engine's rules
+                    continue
+                layouts.append(sc)
                 knobs.append(_knobs(per_replica, longest, gen=gen, train=train, packing=packing))
     table = np.array([k for ks in knobs for k in ks], dtype=np.int64).reshape(-1, 3)
     return Candidates(layouts=tuple(layouts), layout=np.repeat(np.arange(len(layouts)), [len(k) for k in knobs]),

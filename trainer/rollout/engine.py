@@ -3,13 +3,13 @@
 Two engines implement ``RolloutEngine``: the built-in generator (``generator.py``: the
 Nereus decoder in ``actor.gen``'s own layout, any tp, pp=1) and vLLM (``vllm_engine.py``:
 vLLM's fused q/k/v and gate/up buffers are ``actor.gen``'s live parameters, over every rank
-of the world). ``check_rollout_plan`` holds the rules a plan must meet for its engine; the
-config check (``trainer/prepare.py``, before any worker starts) and the stage builder
-(``trainer/runtime/stages.py``) ask it. The search (``trainer/controller/search.py``) does
-not: it builds only ``actor.gen`` layouts that meet them (pp=1, fused under vLLM, on every
-rank, tp=1 on vLLM's CPU build). The vLLM-specific rules live beside vLLM's layout, in
-``vllm_layout``: ``check_vllm_plan``, and ``check_vllm_on_cpu`` for what vLLM's CPU build
-cannot run; whether vLLM is installed is ``vllm_install.vllm_missing``.
+of the world). ``check_rollout_plan`` holds the rules a plan must meet for its engine, on vLLM's CPU
+build too; the config check and the environment check (``trainer/prepare.py``, before any
+worker starts), the stage builder (``trainer/runtime/stages.py``) and the controller's search
+(``rollout_plan_ok``, over ``actor.gen``'s candidates) ask it. The vLLM-specific rules it
+applies live beside vLLM's layout, in ``vllm_layout``: ``check_vllm_plan``, and
+``check_vllm_on_cpu`` for what vLLM's CPU build cannot run; whether vLLM is installed is
+``vllm_install.vllm_missing``.
 """
 
 from __future__ import annotations
@@ -34,11 +34,14 @@ class RolloutEngine(Protocol):
                  temperature: float, top_p: float, stop_tokens: Sequence[int], pad_id: int) -> Rollout: ...
 
 
-def check_rollout_plan(sc: StageConfig, engine: str, *, spec: DecoderSpec | None = None, world: int | None = None) -> None:
+def check_rollout_plan(sc: StageConfig, engine: str, *, spec: DecoderSpec | None = None, world: int | None = None,
+                       cpu: bool = False) -> None:
     """Raise LayoutError unless ``engine`` runs ``actor.gen`` under ``sc``: the built-in
     generator runs unfused pp=1 plans; vLLM runs fused ones (its live parameters are the
     fused buffers) over the whole world of ``world`` ranks (with ``spec``: its TP split of the
-    model too)."""
+    model too); ``cpu``: on vLLM's CPU build, which runs tp=1 and its own head sizes (with
+    ``spec``). The one home of these rules: the config check, the stage builder and the
+    controller's search (``rollout_plan_ok``) ask it."""
     name = "plan 'actor.gen'"
     if engine == "builtin":
         if sc.fused:
@@ -55,3 +58,17 @@ def check_rollout_plan(sc: StageConfig, engine: str, *, spec: DecoderSpec | None
             check_vllm_plan(spec, sc.parallel_config(world), world)
         except LayoutError as e:
             raise LayoutError(f"{name} with rollout.engine: vllm: {e}") from None
+    if cpu:
+        from .vllm_layout import check_vllm_on_cpu
+
+        check_vllm_on_cpu(spec, sc.tp)
+
+
+def rollout_plan_ok(sc: StageConfig, engine: str, *, spec: DecoderSpec | None = None, world: int | None = None,
+                    cpu: bool = False) -> bool:
+    """Whether ``check_rollout_plan`` admits ``sc`` (the search's filter of ``actor.gen``'s layouts)."""
+    try:
+        check_rollout_plan(sc, engine, spec=spec, world=world, cpu=cpu)
+    except LayoutError:
+        return False
+    return True

@@ -172,16 +172,18 @@ VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 the engine asks vLLM itself again when it starts (``cpu_head_dims``)."""
 
 
-def check_vllm_on_cpu(spec: DecoderSpec, tp: int, *, head_dims: Sequence[int] = VLLM_CPU_HEAD_DIMS, model: str = "'model'") -> None:
+def check_vllm_on_cpu(spec: DecoderSpec | None, tp: int, *, head_dims: Sequence[int] = VLLM_CPU_HEAD_DIMS,
+                      model: str = "'model'") -> None:
     """Raise LayoutError for what vLLM's CPU build cannot run: tp > 1 (it repacks its weights,
     so they reload through ``load_weights``, which wants whole tensors) and head sizes its CPU
-    attention has no kernel for. ``model``: how the message names the model."""
+    attention has no kernel for (``spec`` None: the tp rule only). ``model``: how the message
+    names the model."""
     if tp > 1:
         raise LayoutError(
             f"plan 'actor.gen' with rollout.engine: vllm on CPU runs tp=1 (dp over the ranks), got tp={tp}: vLLM's CPU "
             "build repacks its weights, so they reload through load_weights, which wants whole tensors for tp > 1"
         )
-    if spec.dim_head not in head_dims:
+    if spec is not None and spec.dim_head not in head_dims:
         raise LayoutError(
             f"rollout.engine: vllm on CPU: vLLM's CPU attention runs head_dim {', '.join(map(str, head_dims))}, "
             f"but {model} has head_dim {spec.dim_head} (hidden_size {spec.hidden_size} / num_heads {spec.num_heads})"

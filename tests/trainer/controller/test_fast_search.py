@@ -248,3 +248,20 @@ def test_frontier_and_pruning_equal_the_quadratic_reference_with_ties(seed, bloc
         want, want_worst = reference_prune(tuples, budget, 48, final=final)
         assert got.tolist() == [w[3][0] for w in want]
         assert worst == want_worst
+
+
+@pytest.mark.parametrize(("overrides", "tps"), [([], {1}), (["device_profile=h100", "model.num_heads=2", "model.num_kv_heads=2"], {1, 2})])
+def test_the_search_offers_only_the_rollout_layouts_the_engine_admits(overrides, tps):
+    """actor.gen's candidates are filtered by the engine's own rules (rollout/engine.py's
+    ``check_rollout_plan``): vLLM fused, pp=1, over the world; tp=1 on its CPU build."""
+    from nereus.trainer.controller.search import stage_candidates
+    from nereus.trainer.controller.workload import Workload
+    from nereus.trainer.rollout.engine import check_rollout_plan
+    from nereus.trainer.config import decoder_spec
+
+    cfg = load_config("configs/tiny_vllm.yaml", overrides)
+    c = stage_candidates(cfg, "actor.gen", tuple(range(cfg.nproc)), Workload.from_config(cfg))
+    assert {sc.tp for sc in c.layouts} == tps
+    for sc in c.layouts:
+        assert sc.fused and sc.pp == 1
+        check_rollout_plan(sc, "vllm", spec=decoder_spec(cfg.model), world=cfg.nproc, cpu=cfg.device_profile == "cpu")
