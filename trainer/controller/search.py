@@ -3,7 +3,8 @@
 1. Candidates per model-stage: every (tp, pp, dp, dp_shard) layout that fits the stage's
    ranks and model — tp and pp powers of two (tp dividing heads and MLP width, fitting the KV
    heads, at most the vocabulary, which it need not divide: ``reshard.derive.check_tp``;
-   pp at most the layers; generation pp = 1), dp the rest, dp dividing the rows it splits,
+   pp at most the layers; generation pp = 1, and only the layouts its rollout engine admits:
+   ``rollout.engine.check_rollout_plan``), dp the rest, dp dividing the rows it splits,
    FSDP only for training — run whole, in micro-batches halving the replica's rows down to
    1/16, or — when the workload's rows are shorter than its width on average, padding to
    remove — packed into token budgets of as many longest rows (``micro_batch_tokens``:
@@ -138,7 +139,9 @@ def _stage_candidates(cfg: JobConfig, key: str, ranks: tuple[int, ...], rows: in
             per_replica = rows // dp
             for shard in ((False, True) if train and dp > 1 else (False,)):
                 sc = StageConfig(dp=dp, tp=tp, pp=pp, ranks=explicit, dp_shard=shard, fused=vllm)
-                if gen and not rollout_plan_ok(sc, cfg.rollout.engine, spec=spec, world=n, cpu=cpu):  # the engine's rules
+                # the engine's rules; on vLLM's CPU build its tp rule only: a head size it cannot run is the
+                # environment check's one-line error (prepare.py), not a search that finds no layout
+                if gen and not (rollout_plan_ok(sc, cfg.rollout.engine, spec=spec, world=n) and rollout_plan_ok(sc, cfg.rollout.engine, cpu=cpu)):
                     continue
                 layouts.append(sc)
                 knobs.append(_knobs(per_replica, longest, gen=gen, train=train, packing=packing))
