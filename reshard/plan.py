@@ -117,12 +117,6 @@ class TransferPlan:
         """Whether transfer ``t`` changes its tensor's dtype (``plan_transfers(cast=True)``)."""
         return self.src_layouts[t.tensor].dtype != self.layouts[t.tensor].dtype
 
-    def for_rank(self, rank: int) -> tuple[list[Transfer], list[Transfer]]:
-        """(sends, receives) of ``rank``; a local copy is in both."""
-        sends = [t for t in self.transfers if t.src_rank == rank]
-        recvs = [t for t in self.transfers if t.dst_rank == rank]
-        return sends, recvs
-
 
 def merge_layouts(emus: Sequence[EMU], side: str) -> dict[str, TensorLayout]:
     """Tensors of several EMUs (the replicas of a model-stage) with all their shards.
