@@ -37,9 +37,8 @@ def gather_full(
                     view = shard_view(buffers, layout, shard).detach().cpu()
                     raw = view.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
                     mine.append((name, shard.offsets, shard.lengths, raw))
-    size = dist.get_world_size(group)
-    gathered: list = [None] * size
-    dist.all_gather_object(gathered, (rank, mine), group=group)
+    gathered: list | None = [None] * dist.get_world_size(group) if rank == dst else None
+    dist.gather_object((rank, mine), gathered, dst=dst, group=group)  # only dst receives: the others hold their own shards alone
     if rank != dst:
         return None
     out: dict[str, torch.Tensor] = {}
