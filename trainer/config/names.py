@@ -5,14 +5,20 @@ reward and stage train | gen | infer. The plan (``plan.<model>.<stage>``), the s
 pieces, the metrics and the controller all key by these names.
 """
 
-ACTOR_TRAIN = "actor.train"
-ACTOR_GEN = "actor.gen"
-CRITIC_TRAIN = "critic.train"
-CRITIC_INFER = "critic.infer"
-REF_INFER = "ref.infer"
-REWARD_INFER = "reward.infer"
+ACTOR, CRITIC, REF, REWARD = "actor", "critic", "ref", "reward"
+MODELS = (ACTOR, CRITIC, REF, REWARD)
+"""The models a plan places (``plan.<model>``)."""
+TRAIN, GEN, INFER = "train", "gen", "infer"
+"""The stages (``plan.<model>.<stage>``), and the modes a stage's step-time is priced in."""
 
-OWN_FORWARD = ".infer"
+ACTOR_TRAIN = f"{ACTOR}.{TRAIN}"
+ACTOR_GEN = f"{ACTOR}.{GEN}"
+CRITIC_TRAIN = f"{CRITIC}.{TRAIN}"
+CRITIC_INFER = f"{CRITIC}.{INFER}"
+REF_INFER = f"{REF}.{INFER}"
+REWARD_INFER = f"{REWARD}.{INFER}"
+
+OWN_FORWARD = f".{INFER}"
 ACTOR_TRAIN_INFER = f"{ACTOR_TRAIN}{OWN_FORWARD}"
 CRITIC_TRAIN_INFER = f"{CRITIC_TRAIN}{OWN_FORWARD}"
 """A training layout's own forward (the old log-probs; the old values without critic.infer): a piece the step measures."""
@@ -38,7 +44,7 @@ def own_forward_piece(key: str) -> str:
 
 def train_stage(model: str) -> str:
     """A model's training stage: ``critic.train`` of ``critic``."""
-    return f"{model}.train"
+    return f"{model}.{TRAIN}"
 
 
 def sync_piece(key: str) -> str:
@@ -69,17 +75,17 @@ def stage_of(key: str) -> str:
 
 def is_train(key: str) -> bool:
     """Whether ``key`` is a training model-stage (``actor.train``, ``critic.train``)."""
-    return key.endswith(".train")
+    return key.endswith(f".{TRAIN}")
 
 
 def is_gen(key: str) -> bool:
     """Whether ``key`` is the rollout's model-stage (``actor.gen``)."""
-    return key.endswith(".gen")
+    return key.endswith(f".{GEN}")
 
 
 def is_infer(key: str) -> bool:
     """Whether ``key`` is an inference model-stage (``critic.infer``, ``ref.infer``, ``reward.infer``)."""
-    return key.endswith(".infer")
+    return key.endswith(f".{INFER}")
 
 
 def is_own_forward(name: str) -> bool:

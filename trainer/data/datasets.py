@@ -296,10 +296,6 @@ class PromptDataset:
     def data_sources(self) -> tuple[str, ...]:
         return tuple(sorted({r.data_source for r in self.rows}))
 
-    def locate(self, index: int) -> tuple[str, int]:
-        """The file and its row number of a row's global ``index``."""
-        return _locate(self.sources, index)
-
 
 def _locate(sources: Sequence[tuple[str, int, int]], index: int) -> tuple[str, int]:
     for file, first, count in sources:

@@ -85,9 +85,6 @@ class TextTokenizer:
         """The text of ``ids``, special tokens (stop, pad) left out: what reward functions score."""
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
-        return list(self.hf.batch_decode([list(ids) for ids in rows], skip_special_tokens=True))
-
     def __repr__(self) -> str:
         return (f"TextTokenizer({self.path!r}, vocab_size={self.vocab_size}, eos_ids={self.eos_ids}, "
                 f"pad_id={self.pad_id}, bos_id={self.bos_id})")

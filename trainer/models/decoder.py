@@ -2,8 +2,9 @@
 
 No parallelism lives here: TP (DTensor plans keyed by module name), PP (dropping layers and
 the embedding/head) and FSDP/DDP are applied from outside. Build order, as in torchtitan:
-``build_model(args)`` on ``meta`` -> parallelize -> ``to_empty(device=...)`` -> ``init_weights``
-or load.
+``build_model(args)`` on ``meta`` -> parallelize -> ``to_empty(device=...)`` -> each rank's boxes
+initialised (``parallelize.init_stage``: ``init_tensor``'s values) or loaded; a whole model on one
+device: ``init_weights``.
 
 Maths, per block (x: [B, T, h], d = head_dim, H query heads, K kv heads, r = H / K):
 
@@ -53,7 +54,7 @@ point input treats it as hidden states [B, T, h] and skips the embedding; a stag
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -573,17 +574,19 @@ def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Decoder
 
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Deterministic init after ``to_empty``: matrices ~ N(0, std), biases 0, norms 1.
-
-    Each parameter draws from its own CPU generator seeded by (seed, name), so a pipeline
-    stage, or a stage's copy of a tied embedding, gets the same values as the full model,
-    on any device. Plain (not yet distributed) tensors only.
-    """
+    """Deterministic init after ``to_empty`` (``init_tensor`` per parameter). Plain (not yet
+    distributed) tensors only; a parallelized stage's boxes: ``parallelize.init_stage``."""
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith(".bias"):
-            p.zero_()
-        else:
-            g = torch.Generator().manual_seed(param_seed(seed, name))
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
+        p.copy_(init_tensor(name, p.shape, seed, std))
+
+
+def init_tensor(name: str, shape: Sequence[int], seed: int, std: float) -> torch.Tensor:
+    """The full initial value of parameter ``name``, in float32: norms 1, biases 0, matrices
+    N(0, std) from a CPU generator of its own seeded by (seed, name) — so a pipeline stage, a
+    stage's copy of a tied embedding or a rank's box gets the full model's values, on any device."""
+    if name.endswith("norm.weight"):
+        return torch.ones(tuple(shape))
+    if name.endswith(".bias"):
+        return torch.zeros(tuple(shape))
+    g = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=g)

@@ -49,7 +49,7 @@ Process groups: ``trainer/parallel/groups.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +70,7 @@ from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus, plan_layer
 from nereus.reshard.errors import LayoutError, ProcessGroupError
 from nereus.reshard.layout import DTYPES, ParallelConfig, TensorLayout, box_view, local_buffers
 
-from ..models.decoder import Decoder, ModelArgs, build_model
-from ..seeds import param_seed
+from ..models.decoder import Decoder, ModelArgs, build_model, init_tensor
 from .groups import StageGroups, groups_cached, stage_groups, tied_copy
 from .vocab_parallel import VocabShard
 
@@ -465,22 +464,10 @@ def load_full(part: StagePart, full: Mapping[str, torch.Tensor] | Callable[[str]
 
 
 def init_stage(part: StagePart, seed: int = 0, std: float = 0.02) -> None:
-    """The values ``model.init_weights(full_model, seed, std)`` gives, for this rank's boxes.
-
-    Each full tensor is drawn alone (one parameter's memory at a time), as init_weights does:
-    norms 1, biases 0, matrices N(0, std) from a generator seeded by (seed, name)."""
+    """The values ``decoder.init_weights(full_model, seed, std)`` gives, for this rank's boxes:
+    each full tensor drawn alone (``decoder.init_tensor``; one parameter's memory at a time)."""
     shapes = {t.name: t.shape for t in part.layouts()}
     load_full(part, lambda name: init_tensor(name, shapes[name], seed, std))
-
-
-def init_tensor(name: str, shape: Sequence[int], seed: int, std: float) -> torch.Tensor:
-    """The full initial value of parameter ``name`` (``init_weights``' rule), in float32."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    g = torch.Generator().manual_seed(param_seed(seed, name))
-    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=g)
 
 
 # ------------------------------------------------------------------------ optimizer state

@@ -19,9 +19,9 @@ import os
 from dataclasses import replace
 
 from ..config import config_to_dict
-from ..config.names import model_of
-from ..models.decoder import ModelArgs
-from ..parallel.parallelize import init_tensor, load_full
+from ..config.names import ACTOR, model_of
+from ..models.decoder import ModelArgs, init_tensor
+from ..parallel.parallelize import load_full
 from . import lr_schedule
 from .stages import ModelStage
 
@@ -54,7 +54,7 @@ def save(trainer) -> None:
         configs[model] = one_dtype({**original, **hf}, dtype)  # the masters' dtype
         if source.path and trainer.rank == 0:
             files.update({f"hf/{model}/{name}": data for name, data in side_files(source.path).items()})
-        if model == "actor" and trainer.cfg.tokenizer.path and trainer.rank == 0:  # the tokenizer the job used
+        if model == ACTOR and trainer.cfg.tokenizer.path and trainer.rank == 0:  # the tokenizer the job used
             files.update({f"hf/actor/{name}": data for name, data in side_files(trainer.cfg.tokenizer.path).items()
                           if name != "generation_config.json"})
     state = {**job_state(trainer), "hf_configs": configs}

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -228,12 +228,6 @@ def read_jsonl(path: str, *, cap: int | None = None) -> list[TraceStep]:
     if not out:
         raise SimulateError(f"{path}: the trace has no steps")
     return out
-
-
-def write_jsonl(path: str, trace: list[TraceStep]) -> None:
-    with open(path, "w") as f:
-        for t in trace:
-            f.write(json.dumps(asdict(t)) + "\n")
 
 
 def run_records(run_dir: str) -> tuple[dict, list[dict]]:

@@ -161,7 +161,7 @@ def test_several_files_concatenate_with_stable_global_indices(tmp_path, tok):
     assert sources == [(a, 0, 3), (b, 3, 2)]
     data = load_prompt_dataset([a, b], DataConfig(max_prompt_length=7, filter_overlong_prompts=True), tok)
     assert [r.index for r in data.rows] == [0, 2, 3]  # the 3-turn rows (index 1 and 4) are 12 tokens
-    assert data.filtered == 2 and data.files == (a, b) and data.locate(3) == (b, 0)
+    assert data.filtered == 2 and data.files == (a, b)
 
 
 # ---------------------------------------------------------------- encoding and prompt length

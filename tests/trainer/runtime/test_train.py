@@ -210,7 +210,7 @@ def test_a_critic_on_the_actors_checkpoint_loads_its_backbone_and_draws_a_value_
     from tests.distributed_harness import run_distributed
     from tests.store.models import llama_config, write_hf_model
 
-    from nereus.trainer.parallel.parallelize import init_tensor
+    from nereus.trainer.models.decoder import init_tensor
 
     config = llama_config(vocab_size=16, hidden_size=64, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=32)
     weights = write_hf_model(tmp_path / "lm", config, seed=5)
