@@ -37,7 +37,7 @@ from dataclasses import asdict
 import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
-from ..config.names import SYNC, piece_stage
+from ..config.names import INFER, SYNC, piece_stage
 from .admission import Decision, DriftWatch, admit, difference_spread
 from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
@@ -71,7 +71,7 @@ def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) 
     if name.startswith(SYNC):
         return sync_features(cfg, key, stages[key], where) if key in stages else None
     if key != name:  # a training layout's own forward
-        return stage_features(cfg, key, stages[key], work, where, mode="infer")
+        return stage_features(cfg, key, stages[key], work, where, mode=INFER)
     if name in stages:
         return stage_features(cfg, name, stages[name], work, where)
     return None
@@ -117,6 +117,9 @@ class Controller:
         self.samples = SampleRows(4000)  # the step-time samples seen, as the calibration's rows
         # per rank class: the worst rank's (resident, transient, measured) of each of its last MEMORY_STEPS steps
         self.memory_record: dict[str, deque] = {}
+        # per rank class: the worst rank's bytes held after each of its last MEMORY_STEPS steps beyond its resident
+        # tensors (``held_bytes``): what a process holds between steps, where a plan transition starts
+        self.held_record: dict[str, deque] = {}
         self.transition_samples: list[tuple[float, int, float]] = []
         self.errors: deque = deque(maxlen=20)
         self.stage_errors: dict[str, deque] = {}  # per model-stage: its pieces' relative error, the last 20 steps
@@ -225,6 +228,13 @@ class Controller:
                 worst[cls] = (resident, transient, int(members.max()))
         for cls, sample in worst.items():
             self.memory_record.setdefault(cls, deque(maxlen=MEMORY_STEPS)).append(sample)
+        held = metrics.get("held_bytes")
+        if isinstance(held, list) and len(held) >= n:  # every rank's (a single rank's figure tells no class apart)
+            held_of = np.asarray(held[:n], dtype=np.int64)
+            for g, (resident, _, cls) in enumerate(terms):
+                members = held_of[group == g]
+                if members.size:
+                    self.held_record.setdefault(cls, deque(maxlen=MEMORY_STEPS)).append(int(members.max()) - resident)
         if self.settings.calibrate:
             self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN)
         return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes}
@@ -390,13 +400,25 @@ class Controller:
     def _move_peak(self, cfg: JobConfig, new: PlanConfig) -> float:
         """The calibrated bytes a rank holds while the running plan moves to ``new`` stage by
         stage (``transition.transition_peak``; before headroom): the resident bytes, exact (no
-        class margin: the model counts them, it does not estimate them), plus the largest
-        measured offset of the ranks' classes in either plan (a class not run yet: the largest
-        offset measured) — what a process holds beyond its tensors."""
+        class margin: the model counts them, it does not estimate them), plus the most a process
+        of the ranks' classes in either plan was measured to hold beyond its tensors — in a step
+        (the class's offset) or after one (``held_offset``), whichever is larger; a class not
+        run yet: the largest measured. A step's offset alone is not it: it is what the step's
+        measured peak exceeds the modelled transients by, so a pessimistic activation model
+        leaves it below what the process holds when a move starts."""
         groups = distinct_ranks(cfg, (cfg.plan, new))
         classes = {_rank_terms(plan, held[k])[2] for held, _ in groups for k, plan in enumerate((cfg.plan, new)) if held[k]}
         peak = transition_peak(cfg, cfg.plan, new, groups=groups)
-        return peak + max(self.memory.terms(c)[0] for c in classes)
+        return peak + max(max(self.memory.terms(c)[0], self.held_offset(c)) for c in classes)
+
+    def held_offset(self, cls: str) -> float:
+        """The most a rank of class ``cls`` held after a step beyond its resident tensors, over
+        its last ``MEMORY_STEPS`` measured steps (a class not run yet: the largest of any
+        class; none measured, or no calibration: 0), never below 0."""
+        if not self.settings.calibrate:
+            return 0.0
+        record = self.held_record.get(cls) or [x for r in self.held_record.values() for x in r]
+        return float(max(0, max(record, default=0)))
 
     def _decided(self, decision: Decision) -> Decision:
         self._log("transitions.jsonl", {"kind": "decision", **asdict(decision)})
@@ -436,7 +458,7 @@ class Controller:
     def state_dict(self) -> dict:
         """What a checkpoint keeps (JSON): the lengths seen, the plans left and when, the drift
         references (and the plan they were measured under), and the calibration's evidence — the step-time samples (as the fit's
-        rows), the memory and transition samples, the measured messages, the recent errors
+        rows), the memory and transition samples, the bytes held after steps, the measured messages, the recent errors
         (the band) — so that a
         resumed controller fits and decides as the uninterrupted one would have (JSON keeps
         every float exactly)."""
@@ -444,6 +466,7 @@ class Controller:
                 "reference": dict(self.watch.reference), "last_drift": dict(self.watch.last_drift),
                 "gaps": {k: list(v) for k, v in self.watch.gaps.items()}, "watched": self.watched,
                 "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples()],
+                "held_record": {k: list(v) for k, v in self.held_record.items()},
                 "transition_samples": [list(x) for x in self.transition_samples], "transfers": [list(x) for x in self.transfers],
                 "errors": list(self.errors), "stage_errors": {k: list(v) for k, v in self.stage_errors.items()},
                 "prompt_mean": self.prompt_mean, "profile": self.profile.name}
@@ -464,6 +487,7 @@ class Controller:
         self.memory_record = {}
         for c, r, t, m in state["memory_samples"]:  # (a state saved before the record was per class: per rank)
             self.memory_record.setdefault(str(c), deque(maxlen=MEMORY_STEPS)).append((int(r), int(t), int(m)))
+        self.held_record = {str(c): deque((int(x) for x in v), maxlen=MEMORY_STEPS) for c, v in state.get("held_record", {}).items()}
         self.transition_samples = [(float(s), int(n), float(moved)) for s, n, moved in state["transition_samples"]]
         self.transfers.clear()
         self.transfers.extend((str(k), int(n), float(t)) for k, n, t in state.get("transfers", []))

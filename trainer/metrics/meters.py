@@ -4,6 +4,7 @@
     with meter("actor.gen"):
         ...
     seconds, peaks = meter.take()      # {name: s}, {name: bytes} of this rank, since the last take
+    held = meter.held()                # bytes this rank holds now (between steps)
 
 Peak memory is measured, never modelled. CUDA: the caching allocator's peak of allocated
 bytes over the piece (``reset_peak_memory_stats`` at entry). CPU: the process's resident
@@ -131,6 +132,15 @@ class StageMeter:
                 peak = max(0, rss_peak_bytes() - self.baseline)
             self.seconds[name] += time.perf_counter() - start
             self.peaks[name] = max(self.peaks.get(name, 0), peak)
+
+    def held(self) -> int:
+        """The bytes this rank holds now, between pieces (CPU: resident memory above the
+        baseline, from a trimmed heap; CUDA: the allocator's bytes allocated to tensors): what a
+        plan transition starts from, beyond the tensors the controller counts."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        trim_heap()
+        return max(0, rss_bytes() - self.baseline)
 
     def take(self) -> tuple[dict[str, float], dict[str, int]]:
         out = dict(self.seconds), dict(self.peaks)

@@ -37,7 +37,8 @@ from ..config.names import is_train
 from ..prepare import load_config
 from ..metrics.log import flatten, peak_memory_bytes
 
-TIMING_KEYS = ("stage_seconds", "step_seconds", "tokens_per_s", "peak_memory_bytes", "peak_device_memory_bytes", "stages", "syncs")
+TIMING_KEYS = ("stage_seconds", "step_seconds", "tokens_per_s", "peak_memory_bytes", "peak_device_memory_bytes", "held_bytes", "stages",
+               "syncs")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

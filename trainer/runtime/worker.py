@@ -327,12 +327,13 @@ early wait in them, so the rank that waited least gives their own cost (``min``)
 
 def gather_rank_figures(metrics: dict) -> dict:
     """``metrics`` with every rank's figures, as lists indexed by rank: the process's peak
-    memory (``peak_memory_bytes``, and ``peak_device_memory_bytes`` on CUDA), and each measured
+    memory (``peak_memory_bytes``, and ``peak_device_memory_bytes`` on CUDA), the bytes it
+    holds after the step (``held_bytes``), and each measured
     piece's peak bytes and seconds (``stages[name]["peak_bytes"]``, ``["rank_seconds"]``; its
     ``seconds`` become the slowest rank's: a stage takes as long as its slowest member, and
     ranks outside it wait for it in the next collective — except ``WAITING_PIECES``, which
     take the least). One object collective on every rank."""
-    keys = [k for k in ("peak_memory_bytes", "peak_device_memory_bytes") if k in metrics]
+    keys = [k for k in ("peak_memory_bytes", "peak_device_memory_bytes", "held_bytes") if k in metrics]
     stages = metrics["stages"]
     mine = ({k: metrics[k] for k in keys}, {name: (r["peak_bytes"], r["seconds"]) for name, r in stages.items()})
     out: list = [None] * dist.get_world_size()

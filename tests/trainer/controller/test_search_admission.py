@@ -256,6 +256,7 @@ def test_a_resumed_controller_fits_and_decides_as_the_uninterrupted_one(tmp_path
         metrics = _metrics(step, seconds, 9 + step % 4, response=3.0 + step % 3)
         for record, peak in zip(metrics["stages"].values(), (11, 23, 7, 3)):
             record["peak_bytes"] = [(peak + step % 5) << 20] * 4
+        metrics["held_bytes"] = [(9 + step % 3 + rank) << 20 for rank in range(4)]
         a.observe_transfers([(0, 1, n, 5e-5 + n / 1e9 * swing) for n in (1 << 10, 1 << 20)])
         a.observe(cfg, metrics)
         if step % 64 == 0 or step > steps - 3:  # as the step loop does (its drift references, the plans left); nothing applied
@@ -266,6 +267,7 @@ def test_a_resumed_controller_fits_and_decides_as_the_uninterrupted_one(tmp_path
     b.load_state(json.loads(json.dumps(a.state_dict())))
     assert b.model.coef == a.model.coef and b.model != Controller(cfg, CPU).model
     assert b.memory == a.memory and b.transitions == a.transitions and b.band == a.band and b.prompt_mean == a.prompt_mean
+    assert b.held_record == a.held_record and a.held_record
     assert (b.samples.matrix() == a.samples.matrix()).all() and len(a.samples.matrix()) == min(steps * 4, 4000)
     nxt = _metrics(steps + 1, {"actor.gen": 0.5, "actor.train": 0.3, "ref.infer": 0.1, "sync.actor.gen": 0.02}, 14, response=9.0)
     assert b.observe(cfg, nxt)["pieces"] == a.observe(cfg, nxt)["pieces"]  # predicted with the restored fit
@@ -305,3 +307,22 @@ def test_a_state_measured_on_another_device_profile_keeps_its_history_but_not_it
     b = Controller(cfg, other)
     b.load_state(a.state_dict())
     assert b.lengths == a.lengths and b.model == Controller(cfg, other).model != a.model and not b.samples.count
+
+
+def test_a_move_is_priced_from_no_less_than_what_a_rank_held_after_the_last_step():
+    """A rank holds more between steps than its tensors (a process's libraries, buffers, its
+    heap): a plan transition starts from there. Its price counts what the step measured
+    (``held_bytes``), also where the step's own peak tells of no offset."""
+    cfg = tiny()
+    new = dataclasses.replace(cfg.plan, actor=dataclasses.replace(cfg.plan.actor, train=dataclasses.replace(cfg.plan.actor.train, dp=2, tp=2)))
+    seconds = {"actor.gen": 0.2, "actor.train": 0.6, "ref.infer": 0.1}
+    held = 300 << 20
+    priced = {}
+    for measured in (False, True):
+        controller = Controller(cfg, CPU)
+        metrics = _metrics(1, seconds, 9)
+        if measured:
+            metrics["held_bytes"] = [held - (rank << 20) for rank in range(4)]
+        controller.observe(cfg, metrics)
+        priced[measured] = controller._move_peak(cfg, new)
+    assert priced[False] < held <= priced[True]
