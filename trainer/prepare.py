@@ -22,6 +22,7 @@ from nereus.reshard.errors import LayoutError
 
 from .config import DEFAULT_ALGORITHM, HYPERPARAMETERS, MODEL_SECTIONS, ConfigError, DataConfig, JobConfig, RolloutConfig, apply_overrides, build_tree, check_config, decoder_spec
 from .config.loader import YamlLoader
+from .config.names import ACTOR, CRITIC, GEN, INFER, REF, REWARD, TRAIN
 from .controller.memory import check_memory
 from .controller.profiles import ProfileError, load_profile
 from .controller.search import SearchResult, plan_seconds, search
@@ -177,13 +178,13 @@ def _seed_plan(data: Mapping) -> dict:
         while tp < n and rows % (n // tp):
             tp *= 2
         gen = {"dp": n // tp, "tp": tp, "fused": True}
-    plan: dict = {"actor": {"train": one, "gen": gen}}
+    plan: dict = {ACTOR: {TRAIN: one, GEN: gen}}
     if section is not None and section.critic:
-        plan["critic"] = {"train": one}
+        plan[CRITIC] = {TRAIN: one}
     if isinstance(kl_coef, (int, float)) and kl_coef > 0:
-        plan["ref"] = {"infer": one}
+        plan[REF] = {INFER: one}
     if data.get("reward_model") is not None:
-        plan["reward"] = {"infer": one}
+        plan[REWARD] = {INFER: one}
     return plan
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import zlib
 
+from .config.names import CRITIC
+
 
 def mix(*parts: int) -> int:
     h = 0
@@ -41,7 +43,7 @@ def param_seed(seed: int, name: str) -> int:
 
 def model_seed(seed: int, model: str) -> int:
     """The init seed of ``model`` (actor, critic, ref, reward: a model-stage's first part)."""
-    return seed + (1 if model == "critic" else 0)
+    return seed + (1 if model == CRITIC else 0)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

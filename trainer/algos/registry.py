@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import grpo, ppo
-from ..config.names import ACTOR_TRAIN, CRITIC_TRAIN
+from ..config.names import ACTOR, ACTOR_TRAIN, CRITIC, CRITIC_TRAIN
 from ..config import GRPOConfig, PPOConfig
 
 
@@ -71,7 +71,7 @@ class PPO:
             return ppo.value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], clip=hp.value_clip,
                                   weights=mb["loss_weights"])
 
-        return [actor, Trained(name="critic", stage=CRITIC_TRAIN, kind="value", loss=critic, max_grad_norm=hp.max_grad_norm)]
+        return [actor, Trained(name=CRITIC, stage=CRITIC_TRAIN, kind="value", loss=critic, max_grad_norm=hp.max_grad_norm)]
 
 
 class GRPO:
@@ -101,7 +101,7 @@ def _policy(hp, *, kl_coef: float) -> Trained:
             ref_logprobs=mb.get("ref_logprobs"), kl_coef=kl_coef, entropy=entropy, entropy_coef=hp.entropy_coef,
         )
 
-    return Trained(name="actor", stage=ACTOR_TRAIN, kind="policy", loss=loss, max_grad_norm=hp.max_grad_norm,
+    return Trained(name=ACTOR, stage=ACTOR_TRAIN, kind="policy", loss=loss, max_grad_norm=hp.max_grad_norm,
                    entropy=bool(hp.entropy_coef))
 
 

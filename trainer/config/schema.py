@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from nereus.reshard.layout import ParallelConfig
 
-from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, model_of
+from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC, CRITIC_INFER, CRITIC_TRAIN, MODELS, REWARD, model_of
 
 
 class ConfigError(ValueError):
@@ -307,7 +307,7 @@ class PlanConfig:
     def stages(self) -> dict[str, StageConfig]:
         """The model-stages this plan places, by dotted name ("actor.train", …)."""
         out: dict[str, StageConfig] = {}
-        for model in ("actor", "critic", "ref", "reward"):
+        for model in MODELS:
             sub = getattr(self, model)
             if sub is None:
                 continue
@@ -439,9 +439,9 @@ class JobConfig:
     def stage_model(self, stage: str) -> tuple[str, ModelConfig, str]:
         """(config key, model config, head) of a dotted model-stage name."""
         model = model_of(stage)
-        if model == "critic":
+        if model == CRITIC:
             return ("critic" if self.critic is not None else "model"), self.critic_model, "value"
-        if model == "reward":
+        if model == REWARD:
             assert self.reward_model is not None
             return "reward_model", self.reward_model, "value"
         return "model", self.model, "lm"

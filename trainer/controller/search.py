@@ -48,7 +48,7 @@ from nereus.reshard.derive import check_tp
 from nereus.reshard.errors import LayoutError
 
 from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
-from ..config.names import SYNCED, is_gen, is_train, split_key
+from ..config.names import INFER, SYNCED, is_gen, is_train, split_key
 from ..data.tasks import longest_row
 from ..models.args import model_args
 from ..rollout.engine import rollout_plan_ok
@@ -177,7 +177,7 @@ def candidate_seconds(cfg: JobConfig, key: str, c: Candidates, work: Workload, w
     if key in SYNCED:
         seconds = seconds + model.predict(candidate_sync_features(cfg, key, c, where, args=args))
     if cfg.own_forward(key):
-        seconds = seconds + model.predict(candidate_features(cfg, key, c, work, where, mode="infer", args=args))
+        seconds = seconds + model.predict(candidate_features(cfg, key, c, work, where, mode=INFER, args=args))
     return seconds
 
 

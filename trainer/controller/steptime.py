@@ -70,7 +70,7 @@ from nereus.reshard.derive import vocab_shard_rows
 from nereus.reshard.layout import itemsize
 
 from ..config import JobConfig, StageConfig
-from ..config.names import stage_of
+from ..config.names import GEN, TRAIN, stage_of
 from .candidates import RECOMPUTE, Candidates, FixedBatching, kept_of, local_elements, micro_batching, per_unique, stage_layers
 from .memory import activation_bytes, logits_bytes
 from .profiles import OP_CLASSES, DeviceProfile
@@ -200,7 +200,7 @@ def candidate_features(
     args = args or model_args(cfg, key)
     spec, profile = args.spec, where.profile
     mode = mode or stage_of(key)
-    train, gen = mode == "train", mode == "gen"
+    train, gen = mode == TRAIN, mode == GEN
     fabric = (where.nproc, profile.devices_per_node, *((k, x.bandwidth, x.latency) for k, x in sorted(profile.links.items())))
     busy = c.derived(("busy", where.nproc), lambda: _busy(key, c, where))
     size = itemsize(args.compute)

@@ -39,7 +39,7 @@ from nereus.reshard.graph import plan_graph
 from nereus.reshard.links import LINK_CLASSES, LinkCost, calibrate
 
 from ..config import JobConfig, PlanConfig, StageConfig
-from ..config.names import SYNCED, is_train, split_key
+from ..config.names import SYNCED, TRAIN, is_train, split_key
 from .candidates import layout_of
 
 REBUILD_SECONDS = 0.3  # prior per rebuilt model-stage (this CPU: module build, groups, optimizer)
@@ -65,7 +65,7 @@ def stage_emus(cfg: JobConfig, key: str, sc: StageConfig, nproc: int):
     config = sc.parallel_config(nproc)
     if cfg.engine_owned(key):
         return vllm_emus(args.spec, config, model=model, stage=stage)
-    return derive_emus(args.spec, config, model=model, stage=stage, optimizer=stage == "train", dp_shard=sc.dp_shard, fused=sc.fused)
+    return derive_emus(args.spec, config, model=model, stage=stage, optimizer=stage == TRAIN, dp_shard=sc.dp_shard, fused=sc.fused)
 
 
 def changed_stages(old: PlanConfig, new: PlanConfig) -> list[str]:

@@ -35,6 +35,7 @@ from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus
 from nereus.reshard.errors import LayoutError
 from nereus.reshard.layout import DTYPES, EMU, Dims, ParallelConfig, Shard, TensorLayout
 
+from ..config.names import ACTOR, GEN
 from ..models.decoder import ModelArgs
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
@@ -105,7 +106,7 @@ def check_vllm_plan(spec: DecoderSpec, config: ParallelConfig, world_size: int) 
     vllm_param_names(spec, config.tp)
 
 
-def vllm_emus(spec: DecoderSpec, config: ParallelConfig, *, model: str = "actor", stage: str = "gen", version: int = 0) -> list[EMU]:
+def vllm_emus(spec: DecoderSpec, config: ParallelConfig, *, model: str = ACTOR, stage: str = GEN, version: int = 0) -> list[EMU]:
     """The EMUs of vLLM's rollout layout: ``derive_emus(..., fused=True)`` with the vocab-parallel
     tensors cut where vLLM's padded vocabulary puts them (``vocab_rows``)."""
     if config.pp != 1:

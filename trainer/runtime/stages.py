@@ -38,7 +38,7 @@ from nereus.reshard.layout import EMU, ParallelConfig
 
 from ..config import JobConfig, StageConfig
 from ..algos.ppo import LossSums
-from ..config.names import ACTOR_GEN, is_gen, is_train, model_of, stage_of
+from ..config.names import ACTOR, ACTOR_GEN, GEN, is_gen, is_train, model_of, stage_of
 from ..models.args import model_args
 from ..models.decoder import ModelArgs, set_recompute
 from ..parallel.packing import Packing, balanced_order, pack_batch, pack_count
@@ -177,7 +177,7 @@ def _norm_weights(stage: ModelStage, rank: int) -> dict[str, float]:
 def _vllm_stage(cfg: JobConfig, key: str, args: ModelArgs, config: ParallelConfig, rank: int) -> ModelStage:
     """``actor.gen`` as a vLLM engine on every rank (vLLM's setup is collective over the world)."""
     stage = ModelStage(key=key, args=args, config=config, settings=cfg.plan.actor.gen, part=None)
-    stage.emus = vllm_emus(args.spec, config, model="actor", stage="gen")
+    stage.emus = vllm_emus(args.spec, config, model=ACTOR, stage=GEN)
     stage.engine = VLLMEngine(
         args, config, rank=rank, seed=cfg.seed, model_path=cfg.model.path,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,

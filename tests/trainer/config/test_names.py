@@ -1,4 +1,4 @@
-"""The model-stage names are spelled once, in ``trainer/config/names.py``."""
+"""The model-stage names, and the models' and stages' words, are spelled once, in ``trainer/config/names.py``."""
 
 import ast
 from pathlib import Path
@@ -8,8 +8,20 @@ import pytest
 from trainer.config import names
 
 ROOT = Path(__file__).resolve().parents[3]
-SPELLED = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str) and v != names.OWN_FORWARD}
+WORDS = {*names.MODELS, names.TRAIN, names.GEN, names.INFER}
+"""The models and the stages: bare words, also used as other things' names."""
+SPELLED = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str) and v != names.OWN_FORWARD} - WORDS
 """Every name and the sync prefix; not the own forward's ``.infer``, which is also a stage's suffix."""
+OTHER_MEANINGS = {
+    ("trainer/config/checks.py", "critic"): "the config section `critic:`",
+    ("trainer/config/schema.py", "critic"): "the config section `critic:` (MODEL_SECTIONS, stage_model's config key)",
+    ("trainer/simulate/inputs.py", "critic"): "the config section `critic:` of a generated job",
+    ("trainer/metrics/report.py", "reward"): "a plot's label and title",
+    ("trainer/data/datasets.py", "train"): "a HuggingFace dataset split",
+}
+"""Where a model's or a stage's word means something else. ``tools/`` is not scanned for the
+bare words: its benchmarks write configs, whose sections (``plan: {actor: {train: ...}}``) are
+the config's keys."""
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -48,6 +60,33 @@ def _spelled(root: Path) -> list[str]:
 def test_no_module_spells_a_model_stage_name_out():
     found = _spelled(ROOT)
     assert not found, f"model-stage names spelled outside trainer/config/names.py: {found}"
+
+
+def _bare(root: Path) -> list[str]:
+    files = [p for folder in ("trainer", "cli", "nereus") for p in sorted((root / folder).rglob("*.py"))]
+    found = []
+    for path in files:
+        rel = str(path.relative_to(root))
+        if rel == "trainer/config/names.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docs = _docstrings(tree)
+        found += [f"{rel}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and n.value in WORDS and id(n) not in docs and (rel, n.value) not in OTHER_MEANINGS]
+    return found
+
+
+def test_no_module_spells_a_model_or_a_stage_out():
+    found = _bare(ROOT)
+    assert not found, f"a model's or a stage's word spelled outside trainer/config/names.py: {found}"
+
+
+@pytest.mark.parametrize("planted", ['x = model == "critic"', 'x = {"train": 1}', 'f(mode="infer")'])
+def test_the_scan_finds_a_bare_model_or_stage(tmp_path, planted):
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "planted.py").write_text(f'"""Docs may say critic."""\n{planted}\n')
+    found = _bare(tmp_path)
+    assert len(found) == 1 and found[0].startswith("trainer/planted.py:2 "), found
 
 
 @pytest.mark.parametrize("planted", ['x = "actor.train"', 'x = key.endswith(".gen")', 'x = name.startswith("sync.")',

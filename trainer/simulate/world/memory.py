@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 from nereus.trainer.config import JobConfig, StageConfig
-from nereus.trainer.config.names import ACTOR_TRAIN, CRITIC_TRAIN, SYNCED, is_gen, is_infer, is_train
+from nereus.trainer.config.names import ACTOR_TRAIN, CRITIC_TRAIN, GEN, INFER, SYNCED, TRAIN, is_gen, is_infer, is_train
 
 from .links import stage_ranks
 from .shapes import Lengths, ModelShape
@@ -46,7 +46,7 @@ _KV_GRID = np.linspace(0.0, 1.0, 33)
 
 
 def stage_kind(key: str, *, infer: bool = False) -> str:
-    return "infer" if infer or is_infer(key) else "gen" if is_gen(key) else "train"
+    return INFER if infer or is_infer(key) else GEN if is_gen(key) else TRAIN
 
 
 def layout_class(key: str, sc: StageConfig, *, infer: bool = False) -> str:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from nereus.trainer.config import JobConfig, PlanConfig, StageConfig
-from nereus.trainer.config.names import SYNC, SYNCED, is_own_forward, is_train, model_of, own_forward_piece, piece_stage, sync_piece, train_stage
+from nereus.trainer.config.names import GEN, INFER, SYNC, SYNCED, TRAIN, is_own_forward, is_train, model_of, own_forward_piece, piece_stage, sync_piece, train_stage
 
 from . import memory, noise
 from .generate import gen_seconds
@@ -141,9 +141,9 @@ class World:
             src = stages[SYNCED[key]]
             return self._memo(("sync", key, sc, src, cfg.nproc, ModelShape.of(cfg, key), len(lengths)),
                               lambda: self._sync(cfg, key, len(lengths)))
-        mode = "infer" if is_own_forward(name) else memory.stage_kind(key)
+        mode = INFER if is_own_forward(name) else memory.stage_kind(key)
         st = self._stage(cfg, key, sc)
-        fn = {"train": train_seconds, "infer": infer_seconds, "gen": gen_seconds}[mode]
+        fn = {TRAIN: train_seconds, INFER: infer_seconds, GEN: gen_seconds}[mode]
         return self._memo((mode, key, st.shape, sc, cfg.nproc, lengths.key), lambda: fn(st, lengths))
 
     def _sync(self, cfg: JobConfig, key: str, steps: int) -> dict[str, np.ndarray]:
@@ -207,9 +207,9 @@ class World:
             kind = memory.stage_kind(key, infer=infer)
 
             def make():
-                if kind == "infer":
+                if kind == INFER:
                     return memory.infer_transient(sc, shape, lengths, flash, sw.fsdp_prefetch_layers)
-                if kind == "gen":
+                if kind == GEN:
                     return memory.gen_transient(sc, shape, lengths)
                 return memory.train_transient(sc, shape, lengths, flash, sw.bucket_bytes, sw.fsdp_prefetch_layers)
 
