@@ -1,4 +1,5 @@
-"""Every seed the job derives, in one place (pure; no imports of the project).
+"""Every seed the job derives, in one place (pure; of the project it imports only the models'
+names of ``config/names``).
 
 Randomness in a step is keyed by what it is about — the job's seed, the step, a row, a
 parameter's name, an epoch — never by a rank or a replica, so that every layout draws the
@@ -16,6 +17,12 @@ every trained number, and tests pin them.
   job's seed, + 1 for the critic, so that a critic of the actor's shapes starts elsewhere;
 - the validation set's sample of ``validation.max_prompts`` prompts draws from the job's seed
   itself (``data/prompts.py``).
+
+Two seeds live outside the trainer, which they cannot import: ``store.checkpoint.restore_rng``
+seeds torch's global generator from (step, rank) when a job resumes on another number of
+processes (the saved per-rank streams cannot be split; the draws above each use a generator of
+their own), and ``reshard.reference`` seeds the reference tensors of the resharding tests and
+benchmarks by (name, seed).
 """
 
 from __future__ import annotations

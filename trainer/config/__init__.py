@@ -5,7 +5,7 @@
 - ``derived`` what the other rooms compute from the tree: ``decoder_spec``, ``lr_schedules``, ``warmup_from_ratio``
 - ``loader``  YAML 1.2 scalars, ``--set key.sub=value`` overrides, the typed build with did-you-mean
 - ``checks``  values in range, the plan against the world and the models' shapes
-- ``names``   the model-stage names (``actor.train``, ...), defined once
+- ``names``   the models, the stages and the model-stage and piece names (``actor``, ``train``, ``actor.train``, ...), defined once
 - ``reference`` every key's type, default and meaning, read from ``schema``'s source (``nereus configs --reference``)
 
 The ground floor of ``trainer/``: it imports no other trainer folder. The whole path from a

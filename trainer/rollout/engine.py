@@ -15,13 +15,14 @@ applies live beside vLLM's layout, in ``vllm_layout``: ``check_vllm_plan``, and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nereus.reshard.derive import DecoderSpec
 from nereus.reshard.errors import LayoutError
 
 from ..config import StageConfig
-from .generator import Rollout
+if TYPE_CHECKING:  # the plan rules are pure: the controller's search asks them without torch
+    from .generator import Rollout
 
 ENGINES = ("builtin", "vllm")
 
