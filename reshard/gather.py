@@ -2,7 +2,8 @@
 and checks on small models: it moves the whole state through one rank).
 
 ``gather_full(emus, buffers, rank)`` is collective over ``group``: each rank sends every
-shard it holds (its boxes, read through ``shard_view``) with one ``all_gather_object``;
+shard it holds (its boxes, read through ``shard_view``) to ``dst`` (a global rank, a member
+of ``group``) with one ``gather_object``, so that only ``dst`` ever holds the whole state;
 the destination assembles each tensor from its distinct boxes and checks that every
 replica of a box (DP replicas, TP-replicated norms, KV-head copies) holds the same bytes.
 A tensor the shards do not cover, or replicas that disagree, is a ``ReshardError`` naming
@@ -37,7 +38,7 @@ def gather_full(
                     view = shard_view(buffers, layout, shard).detach().cpu()
                     raw = view.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
                     mine.append((name, shard.offsets, shard.lengths, raw))
-    gathered: list | None = [None] * dist.get_world_size(group) if rank == dst else None
+    gathered: list | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     dist.gather_object((rank, mine), gathered, dst=dst, group=group)  # only dst receives: the others hold their own shards alone
     if rank != dst:
         return None
