@@ -134,9 +134,10 @@ class StageMeter:
             self.peaks[name] = max(self.peaks.get(name, 0), peak)
 
     def held(self) -> int:
-        """The bytes this rank holds now, between pieces (CPU: resident memory above the
-        baseline, from a trimmed heap; CUDA: the allocator's bytes allocated to tensors): what a
-        plan transition starts from, beyond the tensors the controller counts."""
+        """The bytes this rank holds now, between steps: what a plan transition starts from. CPU:
+        resident memory above the baseline, from a trimmed heap (the process's libraries,
+        buffers and heap as well as its tensors); CUDA: the bytes allocated to tensors, as the
+        pieces' peaks count them (the caching allocator's reserve is not in either)."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
         trim_heap()

@@ -209,7 +209,6 @@ class Trainer:
             "syncs": syncs,
             "plan": plan_label(cfg.plan),
             **peak_memory(self.device),
-            "held_bytes": meter.held(),  # what the next step, or a plan transition, starts from
         }
 
     def _stage_records(self, batch: dict, seconds: dict[str, float], peaks: dict[str, int]) -> dict[str, dict]:

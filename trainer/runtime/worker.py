@@ -200,6 +200,7 @@ class _Loop:
         every = cfg.validation.every
         if every and (trainer.step % every == 0 or trainer.step == cfg.steps):
             metrics.update(trainer.validate())
+        metrics["held_bytes"] = gather_held(trainer)  # what the controller's move, or the next step, starts from
         if self.stager is not None and self.stager.figures():  # the previous step's staging, whose write overlapped this step
             metrics["staging"] = self.stager.figures()
         if self.log:
@@ -325,15 +326,24 @@ WAITING_PIECES = ("train.check", "advantages")
 early wait in them, so the rank that waited least gives their own cost (``min``)."""
 
 
+def gather_held(trainer) -> list[int]:
+    """Every rank's bytes held now (``StageMeter.held``), indexed by rank: taken once the step,
+    its validation included, has returned, where the controller's move would start (one
+    all_gather)."""
+    mine = torch.tensor([trainer.meter.held()], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(t.item()) for t in every]
+
+
 def gather_rank_figures(metrics: dict) -> dict:
     """``metrics`` with every rank's figures, as lists indexed by rank: the process's peak
-    memory (``peak_memory_bytes``, and ``peak_device_memory_bytes`` on CUDA), the bytes it
-    holds after the step (``held_bytes``), and each measured
+    memory (``peak_memory_bytes``, and ``peak_device_memory_bytes`` on CUDA), and each measured
     piece's peak bytes and seconds (``stages[name]["peak_bytes"]``, ``["rank_seconds"]``; its
     ``seconds`` become the slowest rank's: a stage takes as long as its slowest member, and
     ranks outside it wait for it in the next collective — except ``WAITING_PIECES``, which
     take the least). One object collective on every rank."""
-    keys = [k for k in ("peak_memory_bytes", "peak_device_memory_bytes", "held_bytes") if k in metrics]
+    keys = [k for k in ("peak_memory_bytes", "peak_device_memory_bytes") if k in metrics]
     stages = metrics["stages"]
     mine = ({k: metrics[k] for k in keys}, {name: (r["peak_bytes"], r["seconds"]) for name, r in stages.items()})
     out: list = [None] * dist.get_world_size()

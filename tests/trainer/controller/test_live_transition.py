@@ -51,9 +51,10 @@ def _transition(rank: int, world: int, run_dir: str, fail_on: int | None) -> dic
 
     cfg = load_config(TINY_PPO, [*SMALL, f"run_dir={run_dir}"])
     trainer = loop.Trainer(cfg)
-    from nereus.trainer.runtime.worker import gather_rank_figures
+    from nereus.trainer.runtime.worker import gather_held, gather_rank_figures
 
     first = gather_rank_figures(trainer.run_step())  # AdamW state is no longer zero; every rank's peaks, as the controller reads them
+    first["held_bytes"] = gather_held(trainer)  # as the step loop adds them (runtime/worker.py)
     before = _state(trainer, rank)
     old_plan = trainer.cfg.plan
     error = None

@@ -311,18 +311,36 @@ def test_a_state_measured_on_another_device_profile_keeps_its_history_but_not_it
 
 def test_a_move_is_priced_from_no_less_than_what_a_rank_held_after_the_last_step():
     """A rank holds more between steps than its tensors (a process's libraries, buffers, its
-    heap): a plan transition starts from there. Its price counts what the step measured
-    (``held_bytes``), also where the step's own peak tells of no offset."""
+    heap): a plan transition starts from there. Its price counts what the step loop measured
+    (``held_bytes``) per rank class, also where the step's own peak tells of no offset, and a
+    move that cannot fit then is refused; without calibration the record is not used."""
     cfg = tiny()
     new = dataclasses.replace(cfg.plan, actor=dataclasses.replace(cfg.plan.actor, train=dataclasses.replace(cfg.plan.actor.train, dp=2, tp=2)))
-    seconds = {"actor.gen": 0.2, "actor.train": 0.6, "ref.infer": 0.1}
-    held = 300 << 20
-    priced = {}
-    for measured in (False, True):
-        controller = Controller(cfg, CPU)
+    seconds = {"actor.gen": 0.2, "actor.train": 0.6, "ref.infer": 0.1, "sync.actor.gen": 0.02}
+    held, delta = 300 << 20, 7 << 20
+
+    def controller(held_bytes, *overrides):
+        c = Controller(tiny(*overrides), CPU)
         metrics = _metrics(1, seconds, 9)
-        if measured:
-            metrics["held_bytes"] = [held - (rank << 20) for rank in range(4)]
-        controller.observe(cfg, metrics)
-        priced[measured] = controller._move_peak(cfg, new)
-    assert priced[False] < held <= priced[True]
+        if held_bytes is not None:
+            metrics["held_bytes"] = held_bytes
+        line = c.observe(c_cfg := tiny(*overrides), metrics)
+        return c, c_cfg, line
+
+    plain, _, _ = controller(None)
+    measured, _, line = controller([held - (rank << 20) for rank in range(4)])
+    more, _, _ = controller([held + delta - (rank << 20) if rank == 0 else held - (rank << 20) for rank in range(4)])
+    assert set(measured.held_record) == set(line["memory"]["classes"])  # recorded under the classes the memory fit reads
+    cls = line["memory"]["classes"][0]
+    assert more.held_offset(cls) - measured.held_offset(cls) == delta  # the class's worst rank, exactly
+    assert plain._move_peak(cfg, new) < held <= measured._move_peak(cfg, new)
+    assert more._move_peak(cfg, new) - measured._move_peak(cfg, new) == delta
+    off, _, _ = controller([held] * 4, "controller.calibrate=false")
+    assert off.held_offset(cls) == 0 and off._move_peak(cfg, new) == Controller(cfg, CPU)._move_peak(cfg, new)
+    # a budget the move fits by the step's offset but not by what a rank holds: refused on memory
+    budget = f"device_memory_gib={1.5 * held / 2**30:.6f}"
+    for held_bytes, refused in ((None, False), ([2 * held] * 4, True)):
+        c, c_cfg, _ = controller(held_bytes, budget)
+        decision = c.decide(c_cfg, _metrics(1, seconds, 9))
+        assert decision is not None, held_bytes
+        assert decision.reason.startswith("no better plan's transition fits the budget") == refused, decision.reason
