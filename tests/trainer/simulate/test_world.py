@@ -308,12 +308,14 @@ def test_step_metrics_have_truths_shape():
     w = World.from_file("h100", seed=1)
     cfg = job_cfg(plan_of({"dp": 8}), 8)
     metrics, seconds, oom = w.step(cfg, step(1000, 600.0, s=3))
-    assert set(metrics) == {"step", "response_length", "lengths", "stages", "step_seconds"}
+    assert set(metrics) == {"step", "response_length", "lengths", "stages", "step_seconds", "held_bytes"}
     assert list(metrics["stages"]) == pieces(cfg)
     record = metrics["stages"]["actor.train"]
     assert set(record) == {"seconds", "rows", "tokens", "real_tokens", "peak_bytes"} and len(record["peak_bytes"]) == 8
     assert record["tokens"] == 64 * (1024 + 1000) and record["real_tokens"] == 64 * (1024 + 600)  # no prompt_mean: the longest
     assert metrics["step_seconds"] == seconds and not oom
+    held = metrics["held_bytes"]  # between steps: below every rank's peak in one (no transients)
+    assert len(held) == 8 and all(0 < h < max(r["peak_bytes"][i] for r in metrics["stages"].values()) for i, h in enumerate(held))
 
 
 def test_transitions_move_state_on_the_worlds_links():
@@ -408,6 +410,9 @@ def test_a_move_runs_out_of_memory_in_the_world_where_stage_by_stage_it_does_not
         held += res_new[k] - res[k]
     expected = (max(sum(res.values()), *during) + p.workspace_mib * (1 << 20)) * (1 + worst) + p.reserved_gib * M.GIB
     assert peak(order) == pytest.approx(expected, rel=1e-12)
+    worst_old = max(w.slack(layout_class(k, sc)) for k, sc in old.plan.stages().items())
+    idle = (sum(res.values()) + p.workspace_mib * (1 << 20)) * (1 + worst_old) + p.reserved_gib * M.GIB
+    assert w.held(old)[0] == pytest.approx(idle, abs=1) and peak([]) == pytest.approx(max(w.held(old)), abs=1)  # where a move starts (whole bytes)
     assert peak(order) < peak(["actor.train", "critic.train", "actor.gen"]) or res_new["actor.gen"] >= res["actor.gen"]
     tight = dataclasses.replace(old, device_memory_gib=expected / M.GIB)
     assert w.move_fits(tight, old.plan, new, order)

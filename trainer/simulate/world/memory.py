@@ -179,20 +179,9 @@ def move_peak(cfg: JobConfig, old, new, order: list[str], *, slack: Callable[[st
     (1 + the largest slack of the rank's classes in either plan) + reserved."""
     a, b = old.stages(), new.stages()
     n = max([cfg.nproc] + [int(stage_ranks(sc, cfg.nproc).max()) + 1 for sc in (*a.values(), *b.values())])
-
-    def per_rank(key: str, sc: StageConfig) -> np.ndarray:
-        out = np.zeros(n)
-        ranks = stage_ranks(sc, cfg.nproc)
-        out[ranks] = resident_bytes(key, sc, ModelShape.of(cfg, key))[(np.arange(len(ranks)) // sc.tp) % sc.pp]
-        return out
-
-    held = {k: per_rank(k, sc) for k, sc in a.items()}
-    placed = {k: per_rank(k, sc) for k, sc in b.items()}
+    held, placed = _per_rank(cfg, a, n), _per_rank(cfg, b, n)
     coming = {k: placed[k] for k in order}
-    worst = np.zeros(n)
-    for plan, bytes_of in ((a, held), (b, placed)):
-        for k, sc in plan.items():
-            worst = np.where(bytes_of[k] > 0, np.maximum(worst, slack(layout_class(k, sc))), worst)
+    worst = np.maximum(_worst_slack(a, held, slack, n), _worst_slack(b, placed, slack, n))
     current = sum(held.values(), np.zeros(n))
     peak = current.copy()
     for k in order:
@@ -200,3 +189,33 @@ def move_peak(cfg: JobConfig, old, new, order: list[str], *, slack: Callable[[st
         peak = np.maximum(peak, current - freed + coming[k])
         current = current - held.get(k, 0) + coming[k]
     return float(((peak + workspace) * (1 + worst) + reserved).max())
+
+
+def held_bytes(cfg: JobConfig, *, slack: Callable[[str], float], reserved: float, workspace: float) -> np.ndarray:
+    """Every rank's bytes between steps (``cfg.nproc`` of them): its resident stages,
+    (held + workspace) · (1 + the largest slack of its classes) + reserved — where a move
+    starts (``move_peak`` with nothing moved)."""
+    stages = cfg.plan.stages()
+    n = max([cfg.nproc] + [int(stage_ranks(sc, cfg.nproc).max()) + 1 for sc in stages.values()])
+    held = _per_rank(cfg, stages, n)
+    total = sum(held.values(), np.zeros(n))
+    return ((total + workspace) * (1 + _worst_slack(stages, held, slack, n)) + reserved)[: cfg.nproc]
+
+
+def _per_rank(cfg: JobConfig, stages: dict[str, StageConfig], n: int) -> dict[str, np.ndarray]:
+    """Per model-stage, the resident bytes each of ``n`` ranks holds of it."""
+    out = {}
+    for key, sc in stages.items():
+        row = np.zeros(n)
+        ranks = stage_ranks(sc, cfg.nproc)
+        row[ranks] = resident_bytes(key, sc, ModelShape.of(cfg, key))[(np.arange(len(ranks)) // sc.tp) % sc.pp]
+        out[key] = row
+    return out
+
+
+def _worst_slack(stages: dict[str, StageConfig], bytes_of: dict[str, np.ndarray], slack: Callable[[str], float], n: int) -> np.ndarray:
+    """Per rank, the largest slack of the classes of the stages it holds (0: none)."""
+    worst = np.zeros(n)
+    for k, sc in stages.items():
+        worst = np.where(bytes_of[k] > 0, np.maximum(worst, slack(layout_class(k, sc))), worst)
+    return worst

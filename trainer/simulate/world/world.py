@@ -233,6 +233,13 @@ class World:
         groups, inverse = self._group_peaks(cfg, Lengths.of([work]))
         return groups[inverse, 0].astype(np.int64)[: cfg.nproc].tolist()
 
+    def held(self, cfg: JobConfig) -> list[int]:
+        """Every rank's bytes between steps (``memory.held_bytes``), as the step loop records them."""
+        p = self.params.memory
+        return self._memo(("held", cfg.plan, cfg.nproc, cfg.model, cfg.critic, cfg.reward_model),
+                          lambda: memory.held_bytes(cfg, slack=self.slack, reserved=p.reserved_gib * memory.GIB,
+                                                    workspace=p.workspace_mib * (1 << 20)).astype(np.int64).tolist())
+
     def budget(self, cfg: JobConfig) -> float:
         """A rank's memory: the job's ``device_memory_gib``, else the device's (a CPU node's
         memory shared by its ranks)."""
@@ -278,6 +285,8 @@ class World:
             metrics = {"step": t.step, "response_length": t.response_mean,
                        "lengths": {"response_max": t.response_max, "response_mean": t.response_mean, "width": work.width},
                        "stages": stages, "step_seconds": sum(secs.values())}
+            if want:
+                metrics["held_bytes"] = self.held(cfg)
             out.append((metrics, sum(secs.values()), oom))
         return out
 
