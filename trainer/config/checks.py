@@ -25,7 +25,7 @@ from typing import Protocol
 from nereus.reshard.derive import check_tp, plan_layer_ranges
 from nereus.reshard.errors import LayoutError
 
-from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, MODEL_STAGES, REF_INFER, REWARD_INFER, is_train
+from .names import ACTOR_GEN, ACTOR_TRAIN, CRITIC, CRITIC_TRAIN, MODEL_STAGES, REF_INFER, REWARD_INFER, is_train, model_of
 from .derived import decoder_spec, lr_schedules, warmup_from_ratio
 from .schema import HYPERPARAMETERS, MIN_COLLECTIVE_TIMEOUT_S, MODEL_SECTIONS, ConfigError, JobConfig, StageConfig
 
@@ -192,7 +192,7 @@ def _check_plan_stages(cfg: JobConfig) -> None:
     need = [ACTOR_TRAIN, ACTOR_GEN]
     if cfg.algo_hp.critic:
         need.append(CRITIC_TRAIN)  # critic.infer is optional: without it the values come from critic.train
-    elif any(s.startswith("critic.") for s in stages):
+    elif any(model_of(s) == CRITIC for s in stages):
         raise ConfigError(f"plan 'critic' is set, but {cfg.algorithm} has no critic")
     if cfg.algo_hp.kl_coef > 0:
         need.append(REF_INFER)

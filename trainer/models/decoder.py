@@ -585,8 +585,8 @@ def init_tensor(name: str, shape: Sequence[int], seed: int, std: float) -> torch
     N(0, std) from a CPU generator of its own seeded by (seed, name) — so a pipeline stage, a
     stage's copy of a tied embedding or a rank's box gets the full model's values, on any device."""
     if name.endswith("norm.weight"):
-        return torch.ones(tuple(shape))
+        return torch.ones(tuple(shape), dtype=torch.float32)
     if name.endswith(".bias"):
-        return torch.zeros(tuple(shape))
+        return torch.zeros(tuple(shape), dtype=torch.float32)
     g = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=g)

@@ -55,7 +55,7 @@ def save(trainer) -> None:
         if source.path and trainer.rank == 0:
             files.update({f"hf/{model}/{name}": data for name, data in side_files(source.path).items()})
         if model == ACTOR and trainer.cfg.tokenizer.path and trainer.rank == 0:  # the tokenizer the job used
-            files.update({f"hf/actor/{name}": data for name, data in side_files(trainer.cfg.tokenizer.path).items()
+            files.update({f"hf/{model}/{name}": data for name, data in side_files(trainer.cfg.tokenizer.path).items()
                           if name != "generation_config.json"})
     state = {**job_state(trainer), "hf_configs": configs}
     save_checkpoint(checkpoint_root(trainer), trainer.step, emus, buffers, rank=trainer.rank, state=state, files=files,
