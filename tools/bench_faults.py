@@ -184,9 +184,9 @@ def final_actor(run: Path) -> tuple[int, dict]:
 
 def staged_dir(job: Job) -> str:
     """The run's own staging dir: ``nereus-<run id>`` in the job's staging base."""
-    from nereus.trainer.elastic.staging import run_id
+    from nereus.trainer.elastic.staging import staging_id
 
-    return os.path.join(job.staging, f"nereus-{run_id(str(job.run))}")
+    return os.path.join(job.staging, f"nereus-{staging_id(str(job.run))}")
 
 
 def shm_left(job: Job) -> list[str]:

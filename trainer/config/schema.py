@@ -360,7 +360,7 @@ class ElasticConfig:
     node memory, and the deadline of every collective."""
 
     staging: Literal["auto", "always", "never"] = "auto"  # auto: on when the agent may restart the workers (--max-restarts > 0)
-    staging_dir: str | None = None  # a local absolute dir each run stages under, in nereus-<run id> (a hash of the run dir's absolute path); None: /dev/shm
+    staging_dir: str | None = None  # a local absolute dir each run stages under, in nereus-<staging id> (a hash of the run dir's absolute path and its run token); None: /dev/shm
     staging_keep: int = 2  # staged steps kept (>= 1): the newest may be half-written when a worker dies
     collective_timeout_s: float = 300.0  # every collective's deadline (>= 30 s, finite); the agent's rendezvous waits longer
     last_call_s: int = 30  # seconds a rendezvous waits for more nodes once MIN are in (torchrun's last_call_timeout; >= 1)

@@ -30,7 +30,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from .staging import check_staging_dir, clear_staging, local_rank, plan_digest, run_id, staging_root
+from .staging import RUN_TOKEN, adopt_run_token, check_staging_dir, clear_staging, local_rank, plan_digest, run_token, staging_id, staging_root
 
 DURABLE_REFUSED = "durable checkpoint refused"
 
@@ -67,7 +67,9 @@ def fresh_run_dir(run_dir: str, overwrite: bool) -> str | None:
 
 def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> dict:
     """Collective, right after the process group forms: ``{"restoring", "restart",
-    "lineage", "error", "busy"}``, decided by rank 0 and the same on every rank. ``restart``:
+    "lineage", "error", "busy", "token"}``, decided by rank 0 and the same on every rank
+    (``token``: the run's, ``staging.run_token``, which every rank adopts: its staged copies'
+    key). ``restart``:
     ``is_restart``; ``restoring``: ``resume`` or a restart; ``lineage``: the launch's
     published lineage on a restart, a new one on a fresh start. ``lock`` (rank 0's, when
     the launcher does not hold the run dir's: ``run_lock.RunLock``) is taken first; a live
@@ -95,11 +97,19 @@ def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> 
                 error = fresh_run_dir(cfg.run_dir, overwrite)
             except OSError as e:
                 error = f"cannot clear {cfg.run_dir}/checkpoints: {e}"
+        token = None
+        if error is None:
+            try:
+                token = run_token(cfg.run_dir)
+            except OSError as e:
+                error = f"cannot make the run token {cfg.run_dir}/{RUN_TOKEN}: {e}"
         decision[0] = {"restoring": bool(resume or restart), "restart": restart,
                        "lineage": lineage if restart else (None if resume else new_lineage()), "error": error,
-                       "busy": busy}
+                       "busy": busy, "token": token}
     dist.broadcast_object_list(decision, src=0)
     out = decision[0]
+    if out.get("token") is not None:  # every rank stages under rank 0's run's id, whatever run dir its node sees
+        adopt_run_token(cfg.run_dir, out["token"])
     if not out["error"]:  # before this rank writes anything: an acquirer refuses the run dir while it lives (run_lock.py)
         mine = None
         try:
@@ -183,7 +193,7 @@ def check_staged(view: dict | None, *, durable_step: int | None, run_dir: str, d
     if tag.get("run") != os.path.abspath(run_dir):
         return f"it belongs to run {tag.get('run')!r}, not {os.path.abspath(run_dir)!r}"
     if view.get("seal") != "ok":
-        return f"its seal does not match this run's (run id {run_id(run_dir)}): {view.get('seal', 'missing')}"
+        return f"its seal does not match this run's (staging id {staging_id(run_dir)}): {view.get('seal', 'missing')}"
     durable_state = durable_state or {}
     want = lineage or durable_state.get("lineage")
     if want and tag.get("lineage") != want:
@@ -333,7 +343,7 @@ def agree_sources(cfg, durable_root: str, *, lineage: str | None = None) -> tupl
     """``choose_sources`` over every rank's ``local_view`` (one object collective)."""
     root = staging_root(cfg)
     views: list = [None] * dist.get_world_size()
-    dist.all_gather_object(views, local_view(root, durable_root, run_id(cfg.run_dir)))
+    dist.all_gather_object(views, local_view(root, durable_root, staging_id(cfg.run_dir)))
     sources, reasons = choose_sources(views, run_dir=cfg.run_dir, staged_root=root, durable_root=durable_root,
                                       lineage=lineage)
     if any(v["staged"] is not None for v in views) and not any(s.kind == "staged" for s in sources):

@@ -1,8 +1,9 @@
 """The memory-staged per-step state: where a node stages, what it holds, and the ``Stager`` that writes it.
 
 After every completed step the step's whole trainer state is staged in the node's shared
-memory (``nereus-<run id>`` in ``elastic.staging_dir``, default ``/dev/shm``: every run its own
-dir, so runs sharing one base never touch each other's copies; a tmpfs outlives the worker
+memory (``nereus-<staging id>`` in ``elastic.staging_dir``, default ``/dev/shm``: every run its
+own dir, keyed by its run dir's path and the random token its first start left there
+(``staging_id``), so runs sharing one base never touch each other's copies; a tmpfs outlives the worker
 processes, so an agent's restart finds it). The staged copy *is* a checkpoint of the
 store's own format (``store/checkpoint.py``): box files with CRC32C block checksums and a
 manifest committed last with a compare-and-swap — the parameters, fp32 masters and AdamW
@@ -13,7 +14,7 @@ step stays the newest committed one. ``elastic.staging_keep`` (default 2) staged
 kept. Staging starts only when the node's free space holds ``staging_keep + 1`` copies of the
 state (else it is off, logged); a failed write (e.g. the tmpfs filled up) removes its partial
 data and turns staging off for the rest of the run (logged; training goes on); a run that
-finishes removes its staged copies (its own ``nereus-<run id>`` only).
+finishes removes its staged copies (its own ``nereus-<staging id>`` only).
 
 Several nodes: each node stages its own part — every box one of its ranks holds, replicas
 included, so a rank finds all it holds on its own node — as a checkpoint of its own, written
@@ -43,7 +44,7 @@ existing parent (each looked at with ``lstat``, from ``/`` down) that is a symli
 directory, or that another user could swap it in (owned by neither root nor this user, or
 group/other-writable without the sticky bit: ``/dev/shm`` itself is root's, sticky). A dir of
 this user's readable by others (an older Nereus's) is narrowed to 0700. A refused dir is
-never written to nor cleared. Each staged manifest is sealed under the run id
+never written to nor cleared. Each staged manifest is sealed under the staging id
 (``records.manifest_seal``: its files' sizes and CRC32C blocks, its job state — run,
 lineage, step): a copy is restored only when its seal matches this run's.
 
@@ -64,6 +65,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import shutil
 import socket
 import stat
@@ -79,9 +81,66 @@ from .phases import mark
 STAGING_BASE = "/dev/shm"
 STAGING_ENV = "NEREUS_STAGING_DIR"
 def run_id(run_dir: str) -> str:
-    """A run's identity on the node: a hash of its run dir's absolute path (the same on every
-    node and every attempt)."""
+    """A run dir's identity on the node: a hash of its absolute path (the same on every node
+    and every attempt), which names its launchers' semaphores. Its staged copies live and are
+    sealed under ``staging_id``."""
     return hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:12]
+
+
+RUN_TOKEN = ".nereus-run-token"
+"""A random token in RUN_DIR, made by the run's first start (``run_token``) and kept."""
+_TOKENS: dict[str, str] = {}  # run dir (absolute) -> the job's token, as ``restore.agree_start`` broadcast it
+
+
+def staging_id(run_dir: str) -> str:
+    """The key this run's staged copies live (``nereus-<id>``) and are sealed under: the run
+    dir's path hashed with the run's token — the job's (``adopt_run_token``), else the run
+    dir's file — so that a run dir at the same path that is not this one (two containers
+    sharing the host's ``/dev/shm``, each with its own volume at one path) never meets this
+    run's copies. Without a token (no job started in the run dir yet): ``run_id``."""
+    path = os.path.abspath(run_dir)
+    token = _TOKENS.get(path) or _read_token(path)
+    return run_id(path) if token is None else hashlib.sha256(f"{path}\n{token}".encode()).hexdigest()[:12]
+
+
+def run_token(run_dir: str) -> str:
+    """The run's token, made if the run dir has none: written whole to a file of this
+    process's and hard-linked into place, so that of processes starting together one token
+    wins and every one reads it. Global rank 0 asks, under the run dir's lock; the other ranks
+    take its answer (``adopt_run_token``), whether or not their node sees the same run dir."""
+    token = _read_token(run_dir)
+    if token is not None:
+        return token
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, RUN_TOKEN)
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    with open(tmp, "w") as f:
+        f.write(secrets.token_hex(16) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:  # another process's won
+        pass
+    finally:
+        os.unlink(tmp)
+    token = _read_token(run_dir)
+    if token is None:
+        raise OSError(f"{path} is empty: remove it (the next start makes a new run token; staged copies of this run are then not restored)")
+    return token
+
+
+def adopt_run_token(run_dir: str, token: str) -> None:
+    """``token`` is the job's: every ``staging_id`` of ``run_dir`` in this process uses it."""
+    _TOKENS[os.path.abspath(run_dir)] = token
+
+
+def _read_token(run_dir: str) -> str | None:
+    try:
+        with open(os.path.join(run_dir, RUN_TOKEN)) as f:
+            return f.read().strip() or None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def node_staging_dir() -> str | None:
@@ -104,15 +163,15 @@ def staging_base(cfg) -> str:
 
 
 def staging_root(cfg) -> str:
-    """Where this run stages on this node: ``nereus-<run id>`` in ``staging_base`` — a dir of
+    """Where this run stages on this node: ``nereus-<staging id>`` in ``staging_base`` — a dir of
     its own, so that runs sharing one base (a node's ``NEREUS_STAGING_DIR``) never write,
     retire or clear each other's copies."""
-    return os.path.join(staging_base(cfg), f"nereus-{run_id(cfg.run_dir)}")
+    return os.path.join(staging_base(cfg), f"nereus-{staging_id(cfg.run_dir)}")
 
 
 def legacy_staging(base: str) -> str | None:
     """One line naming staged copies an older Nereus left directly in the staging base
-    (``<base>/meta``, not ``<base>/nereus-<run id>``): never found, never restored and never
+    (``<base>/meta``, not ``<base>/nereus-<staging id>``): never found, never restored and never
     cleared by this version (they may be another run's), so they hold node memory until
     removed by hand. None when there are none (reads only)."""
     meta = os.path.join(base, "meta")
@@ -308,7 +367,7 @@ def open_staging_dir(root: str, *, create: bool = True) -> str | None:
 def clear_staging(root: str) -> None:
     """Remove this run's staged copies on this node: its own dir's (``staging_root``, named
     by the run id) ``meta/`` and ``data/`` only, then that dir if it is left empty — never
-    anything else in the base it sits in (another run's ``nereus-<run id>``, other files). A
+    anything else in the base it sits in (another run's ``nereus-<staging id>``, other files). A
     refused dir (``check_staging_dir``) is left as it is, with one line."""
     if not os.path.lexists(root):
         return
@@ -354,7 +413,7 @@ def advance_plan_record(record: Mapping | None, plan: Mapping, step: int) -> dic
 def staged_state(run_dir: str, lineage: str | None) -> dict:
     """What a staged manifest's job state adds for ``check_staged``: whose run (its path and
     run id: the key it is sealed under) and lineage."""
-    return {"staged": {"run": os.path.abspath(run_dir), "run_id": run_id(run_dir), "lineage": lineage}}
+    return {"staged": {"run": os.path.abspath(run_dir), "run_id": staging_id(run_dir), "lineage": lineage}}
 
 
 # ------------------------------------------------------------------ staging
@@ -464,7 +523,7 @@ class Stager:
             group = groups[self.nodes.index(self.node)]
         among = self.node if len(self.nodes) > 1 else None
         self.saver = AsyncCheckpointer(self.root, keep=cfg.elastic.staging_keep, sync=False, group=group, among=among,
-                                       seal=run_id(cfg.run_dir))
+                                       seal=staging_id(cfg.run_dir))
 
     def stage(self, step: int, emus, buffers, state: dict, plan: dict) -> None:
         """Stage ``step``: wait for the previous write, copy to host, write in the background."""

@@ -17,10 +17,10 @@ from tests.trainer.elastic.common import TINY_GRPO, SMALL, TWO, ONE, KEYS, read_
 
 @pytest.mark.timeout(240)
 def test_a_killed_worker_is_restarted_from_the_staged_step_and_each_step_is_logged_once(tmp_path, shm_dir):
-    from nereus.trainer.elastic.staging import run_id
+    from nereus.trainer.elastic.staging import staging_id
 
     run_dir = tmp_path / "run"
-    own = os.path.join(shm_dir, f"nereus-{run_id(str(run_dir))}")  # the run's own dir in the staging base
+    own = lambda: os.path.join(shm_dir, f"nereus-{staging_id(str(run_dir))}")  # noqa: E731 - the run's own dir, once it started
     sets = [*SMALL, *TWO, "steps=8", "checkpoint_every=100", f"elastic.staging_dir={shm_dir}", "elastic.collective_timeout_s=60"]
     cmd = [sys.executable, "-c", "from nereus.cli.app import main; main()", "train", TINY_GRPO, "--run-dir", str(run_dir),
            "--max-restarts", "2", *[a for s in sets for a in ("--set", s)]]
@@ -40,7 +40,7 @@ def test_a_killed_worker_is_restarted_from_the_staged_step_and_each_step_is_logg
                 while any(alive(p) for p in pids) and time.monotonic() < deadline:  # the agent stops the other one
                     time.sleep(0.005)
                 dead = read_metrics(run_dir)  # the dead attempt's records, before the restarted one cuts them
-                retire_newest(own, dead[-1]["step"])  # the restore then re-runs at least one step the dead attempt logged
+                retire_newest(own(), dead[-1]["step"])  # the restore then re-runs at least one step the dead attempt logged
                 break
             time.sleep(0.02)
         out, _ = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -66,7 +66,7 @@ def test_a_killed_worker_is_restarted_from_the_staged_step_and_each_step_is_logg
             assert again[before["step"]][k] == before[k], f"step {before['step']} {k}: {again[before['step']][k]} vs {before[k]}"
     staged = [r for r in ours if r["step"] not in (1, restored + 1)]  # each attempt's first step follows no staging
     assert all(r["staging"]["step"] == r["step"] - 1 and r["staging"]["copy_s"] < r["step_seconds"] for r in staged)
-    assert not os.path.exists(own)  # the finished run gave the node's memory back
+    assert not os.path.exists(own())  # the finished run gave the node's memory back
 
 
 @pytest.mark.slow
@@ -161,7 +161,7 @@ def test_on_two_nodes_a_killed_worker_is_restarted_from_the_step_both_nodes_stag
     restores = [json.loads(line) for line in (run_dir / "restores.jsonl").read_text().splitlines()]
     assert len(restores) == 1 and restores[0]["source"] == "staged" and restores[0]["world"] == 2, restores
     assert 3 <= restores[0]["step"] <= killed_at, (restores, killed_at)  # a step both nodes held; step 3's at the latest
-    from nereus.trainer.elastic.staging import run_id
+    from nereus.trainer.elastic.staging import staging_id
 
-    own = f"nereus-{run_id(str(run_dir))}"  # each node's copies: the run's own dir in the node's staging base
+    own = f"nereus-{staging_id(str(run_dir))}"  # each node's copies: the run's own dir in the node's staging base
     assert not os.path.exists(f"{shm_dir}/a/{own}") and not os.path.exists(f"{shm_dir}/b/{own}")

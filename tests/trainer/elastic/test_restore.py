@@ -7,7 +7,7 @@ import pytest
 from nereus.launch import own_result, parse_nnodes, rendezvous_timeout
 from nereus.trainer.config import ConfigError
 from nereus.trainer.prepare import load_config
-from nereus.trainer.elastic.staging import plan_digest, run_id
+from nereus.trainer.elastic.staging import plan_digest, staging_id
 from nereus.trainer.elastic.restore import check_staged, choose_sources
 
 from tests.trainer.elastic.common import TINY_GRPO
@@ -39,7 +39,7 @@ def test_check_staged_names_why_a_copy_is_refused():
     assert "actor.train's data is in dp·tp·pp [1, 2, 1], but its plan record says [2, 1, 1]" in check_staged(moved, durable_step=None, run_dir="/r")
     assert "cannot be read" in check_staged({"error": "its manifest cannot be read (x)"}, durable_step=None, run_dir="/r")
     for seal in ("mismatch", "missing", "unchecked"):  # sealed under another run id, or not at all
-        assert f"its seal does not match this run's (run id {run_id('/r')}): {seal}" == check_staged(
+        assert f"its seal does not match this run's (staging id {staging_id('/r')}): {seal}" == check_staged(
             {**_view(), "seal": seal}, durable_step=None, run_dir="/r")
 
 
@@ -125,10 +125,8 @@ def test_on_several_nodes_the_newest_step_every_node_holds_on_every_rank_s_own_n
 def test_a_node_s_own_staging_dir_comes_from_its_environment(monkeypatch):
     from nereus.trainer.elastic.staging import STAGING_ENV, staging_root
 
-    from nereus.trainer.elastic.staging import run_id
-
     cfg = load_config(TINY_GRPO, ["elastic.staging_dir=/dev/shm/from-config"])
-    own = f"nereus-{run_id(cfg.run_dir)}"  # every run its own dir in the base
+    own = f"nereus-{staging_id(cfg.run_dir)}"  # every run its own dir in the base
     monkeypatch.delenv(STAGING_ENV, raising=False)
     assert staging_root(cfg) == f"/dev/shm/from-config/{own}"
     assert staging_root(load_config(TINY_GRPO, [])) == f"/dev/shm/{own}"

@@ -16,10 +16,10 @@ from tests.trainer.elastic.common import TINY_GRPO, SMALL, TWO, ONE
 
 
 def _own(base, run_dir) -> str:
-    """The run's own staging dir in the staging base ``base``: ``nereus-<run id>``."""
-    from nereus.trainer.elastic.staging import run_id
+    """The run's own staging dir in the staging base ``base``: ``nereus-<staging id>``."""
+    from nereus.trainer.elastic.staging import staging_id
 
-    return os.path.join(str(base), f"nereus-{run_id(str(run_dir))}")
+    return os.path.join(str(base), f"nereus-{staging_id(str(run_dir))}")
 
 
 def _train_and_stage(rank, world, run_dir, shm_dir):
@@ -258,11 +258,11 @@ def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, s
     written = sorted(os.listdir(os.path.join(own, "data")))
     assert len(written) == 2 and written[1].startswith("000000000002-")  # step 2's boxes, named by no manifest
     store.verify(store.manifest(1))  # every block of step 1 against its checksums
-    from nereus.trainer.elastic.staging import run_id
+    from nereus.trainer.elastic.staging import staging_id
 
-    view = local_view(own, str(tmp_path / "run" / "checkpoints"), run_id(str(tmp_path / "run")))
+    view = local_view(own, str(tmp_path / "run" / "checkpoints"), staging_id(str(tmp_path / "run")))
     assert view["staged"]["step"] == 1 and check_staged(view["staged"], durable_step=None, run_dir=str(tmp_path / "run")) is None
-    other = local_view(own, str(tmp_path / "run" / "checkpoints"), run_id(str(tmp_path / "other")))["staged"]
+    other = local_view(own, str(tmp_path / "run" / "checkpoints"), staging_id(str(tmp_path / "other")))["staged"]
     assert "its seal does not match this run's" in check_staged({**other, "staged": view["staged"]["staged"]}, durable_step=None,
                                                                 run_dir=str(tmp_path / "run"))
 
@@ -585,3 +585,36 @@ def test_staged_copies_of_the_older_layout_are_named_in_one_line_and_left_as_the
     assert line.startswith(f"staging dir {base} holds staged copies in an older layout ({base}/meta and {base}/data, 3.0 MiB")
     assert f"rm -r {base}/meta {base}/data" in line and "\n" not in line
     assert (base / "data" / "box.bin").stat().st_size == 3 << 20  # nothing deleted
+
+
+def test_a_run_dir_at_the_same_path_that_is_not_this_run_stages_under_another_id(tmp_path):
+    """Two containers sharing the host's /dev/shm, each with its own volume at one path: the
+    staging id hashes the path with the token the run's first start left in the run dir."""
+    import shutil
+    import threading
+
+    from nereus.trainer.elastic.staging import RUN_TOKEN, adopt_run_token, run_id, run_token, staging_id
+
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    assert staging_id(run) == run_id(run)  # no job started here yet
+    tokens = []
+    threads = [threading.Thread(target=lambda: tokens.append(run_token(run))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(tokens)) == 1 and os.listdir(run) == [RUN_TOKEN]  # starting together: one token, no file left behind
+    mine = staging_id(run)
+    assert mine != run_id(run) and staging_id(run) == mine and run_token(run) == tokens[0]  # kept: every attempt the same
+    shutil.rmtree(run)
+    os.makedirs(run)
+    run_token(run)
+    assert staging_id(run) != mine  # the other container's run at the same path
+    node_b = str(tmp_path / "node-b-run")  # a node whose run dir holds no token takes rank 0's (restore.agree_start)
+    adopt_run_token(node_b, tokens[0])
+    assert staging_id(node_b) != run_id(node_b) and not os.path.exists(os.path.join(node_b, RUN_TOKEN))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / RUN_TOKEN).write_text("")
+    with pytest.raises(OSError, match="is empty: remove it"):
+        run_token(str(tmp_path / "empty"))
