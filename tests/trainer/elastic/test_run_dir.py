@@ -354,10 +354,10 @@ def test_the_agents_semaphores_carry_the_run_and_a_later_launch_removes_a_killed
         os.close(holder)
 
 
-def _cli(*args, log=None) -> subprocess.Popen:
+def _cli(*args, log=None, env=None) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "from nereus.cli.app import main; main()", *args]
     return subprocess.Popen(cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=log is None,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 def _train_args(run_dir, steps, *extra):
@@ -373,13 +373,14 @@ def _shm() -> set[str]:
 
 
 def _shm_of(run_dir) -> list[str]:
-    """This job's entries in /dev/shm: its staging dir, its agents' semaphores (named by its
-    run id: ``sem.nereus-<run id>.<launcher key>-*``) and its launchers' sentinels."""
-    from nereus.trainer.elastic.staging import run_id
+    """This job's entries in /dev/shm: its staging dir (``nereus-<staging id>``), its agents'
+    semaphores (named by its run id: ``sem.nereus-<run id>.<launcher key>-*``) and its
+    launchers' sentinels."""
+    from nereus.trainer.elastic.staging import run_id, staging_id
 
-    rid = run_id(str(run_dir))
-    return sorted(n for n in _shm() if n == f"nereus-{rid}" or n.startswith((f"sem.nereus-{rid}.", f"sem.nereus-{rid}-",
-                                                                              f"nereus-{rid}.")))
+    rid, sid = run_id(str(run_dir)), staging_id(str(run_dir))
+    return sorted(n for n in _shm() if n in (f"nereus-{rid}", f"nereus-{sid}")
+                  or n.startswith((f"sem.nereus-{rid}.", f"sem.nereus-{rid}-", f"nereus-{rid}.")))
 
 
 def _leaked(before: set[str], run_dir) -> list[str]:
@@ -424,14 +425,15 @@ def test_a_sigkilled_run_leaves_its_shm_files_and_the_resume_removes_them(tmp_pa
     run_dir, steps = tmp_path / "run", 6
     before = _shm()
     log = open(tmp_path / "train.log", "w")
-    job = _cli(*_train_args(run_dir, steps, "checkpoint_every=2"), "--max-restarts", "1", log=log)
+    phases = tmp_path / "phases.jsonl"  # the staged copy's commit is marked there (trainer/elastic/phases.py)
+    job = _cli(*_train_args(run_dir, steps, "checkpoint_every=2"), "--max-restarts", "1", log=log,
+               env={**os.environ, "NEREUS_PHASE_LOG": str(phases)})
     try:
         deadline = time.monotonic() + 150
         while job.poll() is None and time.monotonic() < deadline:
-            lines = read_metrics(run_dir)
-            staged = lines[-1].get("staging", {}) if lines else {}
-            if staged.get("write_s") is not None and staged["step"] >= 3:
-                break
+            marks = [json.loads(line) for line in phases.read_text().splitlines()] if phases.exists() else []
+            if any(m["phase"] == "stage" and m["edge"] == "end" and m["step"] >= 3 for m in marks):
+                break  # step 3's copy is committed; the next stage waits for it, so steps 5 and 6 are still to run
             time.sleep(0.02)
         killed_at = read_metrics(run_dir)[-1]["step"]
         os.killpg(job.pid, signal.SIGKILL)
@@ -442,7 +444,9 @@ def test_a_sigkilled_run_leaves_its_shm_files_and_the_resume_removes_them(tmp_pa
         log.close()
     assert killed_at < steps, (tmp_path / "train.log").read_text()[-3000:]
     left = _shm_of(run_dir)
-    assert any(n.startswith("sem.nereus-") for n in left) and any(not n.startswith("sem.") for n in left), left
+    from nereus.trainer.elastic.staging import staging_id
+
+    assert any(n.startswith("sem.nereus-") for n in left) and f"nereus-{staging_id(str(run_dir))}" in left, left
     resumed = subprocess.run([sys.executable, "-c", "from nereus.cli.app import main; main()", "resume", str(run_dir),
                               "--max-restarts", "1"], capture_output=True, text=True, timeout=200)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
