@@ -111,6 +111,31 @@ def test_proc_locks_names_the_lockers_of_one_file_only():
         "pid 1, pid 2, pid 3, pid 4, pid 5, pid 6, pid 7, pid 8 and 2 more"
 
 
+def test_the_holders_are_read_from_procfs_alone_and_only_when_the_file_is_locked(tmp_path):
+    """fd_holders reads /proc/PID/fdinfo's lock lines (a fake /proc with no fd/ links at all:
+    no descriptor's target, which may sit on a hung mount, is stat'ed); it does not walk when
+    /proc/locks has no lock on the file, and stops at its time cap."""
+    from nereus.trainer.elastic.lock_holders import fd_holders
+
+    target = tmp_path / ".lock.workers"
+    target.write_text("")
+    st = os.stat(target)
+    here = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    proc = tmp_path / "proc"
+    for pid, lines in {"300": [f"lock:\t1: FLOCK  ADVISORY  READ  299 {here} 0 EOF"],  # a fork child of 299
+                       "301": ["pos:\t0", "lock:\t1: FLOCK  ADVISORY  READ  301 fe:00:1 0 EOF"],  # another file
+                       "302": ["pos:\t0"]}.items():
+        (proc / pid / "fdinfo").mkdir(parents=True)
+        (proc / pid / "fdinfo" / "4").write_text("\n".join(lines) + "\n")
+    (proc / "303").mkdir()  # no fdinfo: exited, or another user's
+    (proc / "self").mkdir()
+    (proc / "locks").write_text(f"1: FLOCK  ADVISORY  READ  299 {here} 0 EOF\n")
+    assert fd_holders(str(target), proc=str(proc)) == [300]
+    assert fd_holders(str(target), proc=str(proc), walk_s=-1) == []  # past its cap before the first process
+    (proc / "locks").write_text("1: FLOCK  ADVISORY  READ  299 fe:00:1 0 EOF\n")
+    assert fd_holders(str(target), proc=str(proc)) == []  # no lock on the file: no walk, though 300's fdinfo says one
+
+
 def test_an_acquirer_waits_a_bounded_time_for_a_finished_jobs_exiting_holder_and_workers(tmp_path, capsys):
     """Rank 0 keeps .lock until its process exits, its record saying the job finished; other
     ranks (other nodes) may still be exiting. A `resume` then waits for them (bounded), takes the
