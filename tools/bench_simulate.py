@@ -14,7 +14,11 @@ step-time model calibrated (its own ``StepTimeModel.calibrate``) on 8 plans' mea
 over the drift trace's lengths, its error on the step seconds of 72 plans it has not seen
 (targets ≤ 0.05, ≤ 0.15). On drift at 1,024 also, as before the world: ``latency_reduction`` (1 − adaptive's
 mean step ÷ initial_fixed's), ``vs_oracle`` (adaptive's mean ÷ the oracle's), ``transition_share``
-(adaptive's). ``live_error``: configs/tiny_ppo.yaml trained here for 12 steps, replayed on the cpu
+(adaptive's). Over every trace and cluster run: ``worst_adaptive_over_best_static`` and
+``worst_adaptive_over_oracle`` (the smallest speedups; bars ≥ 0.99, ≥ 0.97), ``gain_captured``
+(over those with oracle_over_best_static ≥ 1.15, the smallest (best_static − adaptive) ÷
+(best_static − oracle) in run time; None when there is none; bar ≥ 0.75), ``transition_share_max``
+(bar ≤ 0.001) and ``drift_4096_moves`` (adaptive's admitted moves there; bar ≥ 1). ``live_error``: configs/tiny_ppo.yaml trained here for 12 steps, replayed on the cpu
 world (``--from-run``, nothing fitted to this machine), the mean relative error per piece over steps
 2–12; ``machine_loop_s``: a 10^7-iteration Python loop, what the walls scale with. Not covered: a static plan that no one-stage change of the pool's best improves toward (refine is a
 coordinate descent: a local optimum over the whole space, exact over the pool it grows), the controller's
@@ -43,7 +47,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 SIM = ROOT / "configs" / "simulate"
 BARS = {"sim_seconds_1024": 60.0, "sim_seconds_4096": 300.0, "world_calibration_error": 0.05, "world_calibration_error_max": 0.15,
-        "oracle_over_best_static": 1.15}
+        "oracle_over_best_static": 1.15, "worst_adaptive_over_best_static": 0.99, "worst_adaptive_over_oracle": 0.97,
+        "gain_captured": 0.75, "transition_share_max": 0.001, "drift_4096_moves": 1}
 TRACES = {"drift": "llama3_8b_ppo", "u_shape": "llama3_8b_ppo", "spot": "llama3_8b_ppo", "response_32k": "llama3_70b_ppo_long"}
 CLUSTERS = {1024: "mi250x_1024", 4096: "mi250x_4096"}
 
@@ -82,6 +87,28 @@ def table(name: str, s: dict) -> str:
                  f"best static: {t['best_static_plan']}; OOM: steps run over the world's memory, each a restart and the step again"
                  f"{'; steps no plan of the pool runs (waited by all): ' + t['skipped_at'] if t.get('skipped_steps') else ''})")
     return "\n".join(lines)
+
+
+def across_traces(runs: dict[str, dict]) -> dict:
+    """The adaptive policy over every ``<trace>_<devices>`` summary in ``runs`` (module
+    docstring; pure): the worst speedups over best_static and the oracle, the share of the
+    oracle's gain it captured where that gain is ≥ 15%, its largest transition share, and
+    its moves on drift at 4,096."""
+    worst_static = worst_oracle = captured = share = None
+    for s in runs.values():
+        run = {n: p["run_seconds"] for n, p in s["policies"].items()}
+        if not {"adaptive", "best_static", "oracle"} <= run.keys() or not run["adaptive"]:
+            continue
+        ad, bs, orc = run["adaptive"], run["best_static"], run["oracle"]
+        worst_static = min(x for x in (worst_static, bs / ad) if x is not None)
+        worst_oracle = min(x for x in (worst_oracle, orc / ad) if x is not None)
+        share = max(x for x in (share, s["policies"]["adaptive"]["transition_share"]) if x is not None)
+        if orc and bs / orc >= BARS["oracle_over_best_static"]:
+            captured = min(x for x in (captured, (bs - ad) / (bs - orc)) if x is not None)
+    drift = runs.get("drift_4096", {}).get("policies", {}).get("adaptive")
+    return {"worst_adaptive_over_best_static": worst_static, "worst_adaptive_over_oracle": worst_oracle,
+            "gain_captured": captured, "transition_share_max": share,
+            "drift_4096_moves": None if drift is None else len(drift["transitions"])}
 
 
 def calibration(steps: int = 1000) -> dict:
@@ -154,6 +181,7 @@ def main() -> None:
                 line["vs_oracle"] = p["adaptive"]["mean_latency_s"] / p["oracle"]["mean_latency_s"]
                 line["transition_share"] = p["adaptive"]["transition_share"]
     line["adaptation_scenarios"] = scenarios
+    line.update(across_traces({k: v for k, v in out.items() if k != "machine_loop_s"}))
     try:
         cal = out["calibration"] = calibration()
         line["world_calibration_error"], line["world_calibration_error_max"] = cal["mean"], cal["max"]
