@@ -88,7 +88,7 @@ def hold_run_dir(run_dir: str, nnodes: str) -> Iterator[bool]:
     or naming the run dir's filesystem when it has no ``flock``."""
     from nereus.launch import parse_nnodes, remove_stale_semaphores, under_torchrun
     from nereus.trainer.elastic.run_lock import NoFlock, RunDirBusy, RunLock
-    from nereus.trainer.elastic.staging import run_id
+    from nereus.trainer.elastic.run_token import run_id
 
     if under_torchrun():
         yield False
@@ -159,7 +159,7 @@ def run_job(cfg, resume: bool, *, nnodes: str = "1", max_restarts: int = 0, rdzv
 
     from nereus.launch import launch_local, own_result, under_torchrun
     from nereus.trainer.elastic.run_lock import RunDirBusy
-    from nereus.trainer.elastic.staging import run_id
+    from nereus.trainer.elastic.run_token import run_id
     from nereus.trainer.runtime.worker import run_worker
 
     check_launch(nnodes, max_restarts, rdzv_endpoint, rdzv_id)

@@ -184,14 +184,14 @@ def final_actor(run: Path) -> tuple[int, dict]:
 
 def staged_dir(job: Job) -> str:
     """The run's own staging dir: ``nereus-<run id>`` in the job's staging base."""
-    from nereus.trainer.elastic.staging import staging_id
+    from nereus.trainer.elastic.run_token import staging_id
 
     return os.path.join(job.staging, f"nereus-{staging_id(str(job.run))}")
 
 
 def shm_left(job: Job) -> list[str]:
     from nereus.launch import stale_semaphores
-    from nereus.trainer.elastic.staging import run_id
+    from nereus.trainer.elastic.run_token import run_id
 
     left = stale_semaphores(run_id(str(job.run)))
     return left + ([staged_dir(job)] if os.path.lexists(staged_dir(job)) else [])

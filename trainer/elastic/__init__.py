@@ -1,6 +1,7 @@
 """Restarts without loss: the state each step leaves behind, and where a (re)started job takes it from.
 
 - ``staging``     the per-step staged copy in node memory (``Stager``: overlapped with the next step)
+- ``run_token``   a run's ids on a node (``run_id``: its path; ``staging_id``: its path and token) and its token
 - ``restore``     the choice of the source a (re)started job restores (staged copy or durable checkpoint), and the restore
 - ``lineage``     which start of the job this process is: the agent's rendezvous round, restarts, the run's lineage
 - ``resume``      the plan a resumed job runs in, chosen before any worker starts

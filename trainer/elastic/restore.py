@@ -30,7 +30,8 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from .staging import RUN_TOKEN, adopt_run_token, check_staging_dir, clear_staging, local_rank, plan_digest, run_token, staging_id, staging_root
+from .run_token import RUN_TOKEN, adopt_run_token, run_token, staging_id
+from .staging import check_staging_dir, clear_staging, local_rank, plan_digest, staging_root
 
 DURABLE_REFUSED = "durable checkpoint refused"
 
@@ -68,7 +69,7 @@ def fresh_run_dir(run_dir: str, overwrite: bool) -> str | None:
 def agree_start(cfg, resume: bool, overwrite: bool | None = None, lock=None) -> dict:
     """Collective, right after the process group forms: ``{"restoring", "restart",
     "lineage", "error", "busy", "token"}``, decided by rank 0 and the same on every rank
-    (``token``: the run's, ``staging.run_token``, which every rank adopts: its staged copies'
+    (``token``: the run's, ``run_token.run_token``, which every rank adopts: its staged copies'
     key). ``restart``:
     ``is_restart``; ``restoring``: ``resume`` or a restart; ``lineage``: the launch's
     published lineage on a restart, a new one on a fresh start. ``lock`` (rank 0's, when

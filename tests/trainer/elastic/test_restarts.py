@@ -17,7 +17,7 @@ from tests.trainer.elastic.common import TINY_GRPO, SMALL, TWO, ONE, KEYS, read_
 
 @pytest.mark.timeout(240)
 def test_a_killed_worker_is_restarted_from_the_staged_step_and_each_step_is_logged_once(tmp_path, shm_dir):
-    from nereus.trainer.elastic.staging import staging_id
+    from nereus.trainer.elastic.run_token import staging_id
 
     run_dir = tmp_path / "run"
     own = lambda: os.path.join(shm_dir, f"nereus-{staging_id(str(run_dir))}")  # noqa: E731 - the run's own dir, once it started
@@ -161,7 +161,7 @@ def test_on_two_nodes_a_killed_worker_is_restarted_from_the_step_both_nodes_stag
     restores = [json.loads(line) for line in (run_dir / "restores.jsonl").read_text().splitlines()]
     assert len(restores) == 1 and restores[0]["source"] == "staged" and restores[0]["world"] == 2, restores
     assert 3 <= restores[0]["step"] <= killed_at, (restores, killed_at)  # a step both nodes held; step 3's at the latest
-    from nereus.trainer.elastic.staging import staging_id
+    from nereus.trainer.elastic.run_token import staging_id
 
     own = f"nereus-{staging_id(str(run_dir))}"  # each node's copies: the run's own dir in the node's staging base
     assert not os.path.exists(f"{shm_dir}/a/{own}") and not os.path.exists(f"{shm_dir}/b/{own}")

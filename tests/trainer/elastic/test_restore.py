@@ -7,7 +7,8 @@ import pytest
 from nereus.launch import own_result, parse_nnodes, rendezvous_timeout
 from nereus.trainer.config import ConfigError
 from nereus.trainer.prepare import load_config
-from nereus.trainer.elastic.staging import plan_digest, staging_id
+from nereus.trainer.elastic.run_token import staging_id
+from nereus.trainer.elastic.staging import plan_digest
 from nereus.trainer.elastic.restore import check_staged, choose_sources
 
 from tests.trainer.elastic.common import TINY_GRPO

@@ -376,7 +376,7 @@ def _shm_of(run_dir) -> list[str]:
     """This job's entries in /dev/shm: its staging dir (``nereus-<staging id>``), its agents'
     semaphores (named by its run id: ``sem.nereus-<run id>.<launcher key>-*``) and its
     launchers' sentinels."""
-    from nereus.trainer.elastic.staging import run_id, staging_id
+    from nereus.trainer.elastic.run_token import run_id, staging_id
 
     rid, sid = run_id(str(run_dir)), staging_id(str(run_dir))
     return sorted(n for n in _shm() if n in (f"nereus-{rid}", f"nereus-{sid}")
@@ -444,7 +444,7 @@ def test_a_sigkilled_run_leaves_its_shm_files_and_the_resume_removes_them(tmp_pa
         log.close()
     assert killed_at < steps, (tmp_path / "train.log").read_text()[-3000:]
     left = _shm_of(run_dir)
-    from nereus.trainer.elastic.staging import staging_id
+    from nereus.trainer.elastic.run_token import staging_id
 
     assert any(n.startswith("sem.nereus-") for n in left) and f"nereus-{staging_id(str(run_dir))}" in left, left
     resumed = subprocess.run([sys.executable, "-c", "from nereus.cli.app import main; main()", "resume", str(run_dir),

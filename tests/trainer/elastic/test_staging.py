@@ -17,7 +17,7 @@ from tests.trainer.elastic.common import TINY_GRPO, SMALL, TWO, ONE
 
 def _own(base, run_dir) -> str:
     """The run's own staging dir in the staging base ``base``: ``nereus-<staging id>``."""
-    from nereus.trainer.elastic.staging import staging_id
+    from nereus.trainer.elastic.run_token import staging_id
 
     return os.path.join(str(base), f"nereus-{staging_id(str(run_dir))}")
 
@@ -258,7 +258,7 @@ def test_a_kill_during_staging_leaves_the_previous_staged_step_valid(tmp_path, s
     written = sorted(os.listdir(os.path.join(own, "data")))
     assert len(written) == 2 and written[1].startswith("000000000002-")  # step 2's boxes, named by no manifest
     store.verify(store.manifest(1))  # every block of step 1 against its checksums
-    from nereus.trainer.elastic.staging import staging_id
+    from nereus.trainer.elastic.run_token import staging_id
 
     view = local_view(own, str(tmp_path / "run" / "checkpoints"), staging_id(str(tmp_path / "run")))
     assert view["staged"]["step"] == 1 and check_staged(view["staged"], durable_step=None, run_dir=str(tmp_path / "run")) is None
@@ -593,7 +593,7 @@ def test_a_run_dir_at_the_same_path_that_is_not_this_run_stages_under_another_id
     import shutil
     import threading
 
-    from nereus.trainer.elastic.staging import RUN_TOKEN, adopt_run_token, run_id, run_token, staging_id
+    from nereus.trainer.elastic.run_token import RUN_TOKEN, adopt_run_token, run_id, run_token, staging_id
 
     run = str(tmp_path / "run")
     os.makedirs(run)
