@@ -140,10 +140,3 @@ def link_classes(src: np.ndarray, dst: np.ndarray, ranks_per_node: int) -> np.nd
     out[src == dst] = 0
     out[src == STAGED] = 3
     return out
-
-
-def bytes_by_link(arrays: TransferArrays, ranks_per_node: int) -> dict[str, int]:
-    """Total bytes per link class (``LINK_CLASSES``)."""
-    classes = link_classes(arrays.src, arrays.dst, ranks_per_node)
-    sums = np.bincount(classes, weights=arrays.nbytes, minlength=len(LINK_CLASSES))
-    return {name: int(b) for name, b in zip(LINK_CLASSES, sums.tolist())}

@@ -68,10 +68,6 @@ class Transfer:
         return self.item.dest_index.fqn
 
     @property
-    def is_local(self) -> bool:
-        return self.src_rank == self.dst_rank
-
-    @property
     def lengths(self) -> Dims:
         return tuple(self.item.lengths)
 

@@ -12,7 +12,7 @@ from nereus.reshard.arrays import (
     LINK_CLASSES,
     arrays_from_plan,
     bytes_between,
-    bytes_by_link,
+    link_classes,
     region_is_contiguous,
 )
 from nereus.reshard.derive import derive_emus
@@ -144,10 +144,14 @@ def test_staged_rows_have_no_source_buffer():
     assert staged.any() and (estimated.src_buf[staged] == -1).all() and estimated.src_contig[staged].all()
 
 
-def test_bytes_by_link_splits_the_total():
+def test_link_classes_split_the_total():
+    """Each row's link class (what ``LinkCost`` prices a message by) splits the bytes as the
+    (src, dst) pairs do: local copies, within a node, across nodes."""
     estimated = check(emus((2, 2, 1), optimizer=True), emus((1, 2, 2), first_rank=2, optimizer=True))
-    split = bytes_by_link(estimated, ranks_per_node=2)
-    assert set(split) == set(LINK_CLASSES)
+    classes = link_classes(estimated.src, estimated.dst, ranks_per_node=2)
+    sums = np.bincount(classes, weights=estimated.nbytes, minlength=len(LINK_CLASSES))
+    split = {name: int(b) for name, b in zip(LINK_CLASSES, sums.tolist())}
+    assert set(split) == set(LINK_CLASSES) and len(sums) == len(LINK_CLASSES)
     assert sum(split.values()) == int(estimated.nbytes.sum())
     pairs = bytes_between(estimated)
     assert split["local"] == sum(b for (s, d), b in pairs.items() if s == d)

@@ -49,7 +49,7 @@ def test_random_grid_layouts_are_exact(x, y, data):
 def test_same_layout_moves_nothing_between_ranks():
     src = emus((2, 2, 1), optimizer=True)
     plan = plan_transfers(src, emus((2, 2, 1), optimizer=True))
-    assert all(t.is_local for t in plan.transfers)
+    assert all(t.src_rank == t.dst_rank for t in plan.transfers)
 
 
 def test_training_to_fused_rollout_layout_is_exact_and_mostly_local():

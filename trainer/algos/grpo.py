@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .ppo import policy_loss
-
 
 def group_advantages(
     scores: Tensor, group_size: int, *, scale_by_std: bool = True, eps: float = 1e-4
@@ -49,8 +47,3 @@ def group_advantages(
         "zero_std_frac": float((std.flatten() == 0).float().mean()),
     }
     return adv.flatten(), metrics
-
-
-# The GRPO loss for one mini-batch is PPO's clipped surrogate with the k3 KL term (module
-# docstring); ``advantages`` may be [B] (from group_advantages) or [B, T].
-grpo_loss = policy_loss

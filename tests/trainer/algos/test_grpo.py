@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nereus.trainer.algos.advantages import minibatch_indices
-from nereus.trainer.algos.grpo import group_advantages, grpo_loss
+from nereus.trainer.algos.grpo import group_advantages
+from nereus.trainer.algos.ppo import policy_loss  # GRPO's loss is PPO's clipped surrogate with the k3 KL term
 
 
 def test_group_advantages_by_hand() -> None:
@@ -43,7 +44,7 @@ def test_advantage_is_broadcast_over_valid_tokens() -> None:
     old = torch.full((2, 3), -1.0)
     logp = old.clone().requires_grad_(True)
     adv = torch.tensor([2.0, -1.0])
-    loss, sums = grpo_loss(logp, old, adv, mask, clip=0.2)
+    loss, sums = policy_loss(logp, old, adv, mask, clip=0.2)
     metrics = sums.mean()
     # ratio 1 everywhere: loss = token-mean of −A = (−2·3 + 1)/4
     assert float(loss.detach()) == pytest.approx(-5 / 4)
@@ -56,10 +57,10 @@ def test_k3_kl_loss_is_zero_at_the_reference_and_positive_elsewhere() -> None:
     mask = torch.ones(1, 2)
     old = torch.tensor([[-1.0, -2.0]])
     zero = torch.zeros(1)
-    at_ref, s0 = grpo_loss(old, old, zero, mask, clip=0.2, ref_logprobs=old, kl_coef=0.1)
+    at_ref, s0 = policy_loss(old, old, zero, mask, clip=0.2, ref_logprobs=old, kl_coef=0.1)
     m0 = s0.mean()
     assert float(at_ref) == 0.0 and m0["kl_ref_k3"] == 0.0
-    away, s1 = grpo_loss(old, old, zero, mask, clip=0.2, ref_logprobs=old - 0.5, kl_coef=0.1)
+    away, s1 = policy_loss(old, old, zero, mask, clip=0.2, ref_logprobs=old - 0.5, kl_coef=0.1)
     m1 = s1.mean()
     want = math.exp(-0.5) - 1 + 0.5
     assert m1["kl_ref_k3"] == pytest.approx(want, rel=1e-6)
@@ -83,7 +84,7 @@ def test_grpo_solves_a_four_arm_bandit(scale_by_std: bool) -> None:
         adv, _ = group_advantages((arms == 1).float(), G, scale_by_std=scale_by_std)
         for idx in minibatch_indices(B, 16, epochs=2, generator=g):
             logp = torch.log_softmax(logits, 0)[arms[idx]][:, None]
-            loss, _ = grpo_loss(logp, old[idx], adv[idx], mask[idx], clip=0.2, ref_logprobs=ref[arms[idx]][:, None], kl_coef=0.01)
+            loss, _ = policy_loss(logp, old[idx], adv[idx], mask[idx], clip=0.2, ref_logprobs=ref[arms[idx]][:, None], kl_coef=0.01)
             opt.zero_grad()
             loss.backward()
             opt.step()
