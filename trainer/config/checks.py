@@ -199,7 +199,7 @@ def _check_plan_stages(cfg: JobConfig) -> None:
     if cfg.reward_model is not None:
         need.append(REWARD_INFER)
     elif REWARD_INFER in stages:
-        raise ConfigError("plan 'reward.infer' is set, but there is no reward_model (the task's rule reward runs anywhere)")
+        raise ConfigError(f"plan '{REWARD_INFER}' is set, but there is no reward_model (the task's rule reward runs anywhere)")
     for stage in need:
         if stage not in stages:
             raise ConfigError(f"plan '{stage}' is missing: {cfg.algorithm} needs {', '.join(need)}")
@@ -222,7 +222,7 @@ def _check_stage(cfg: JobConfig, stage: str, sc: StageConfig, longest_row: int) 
     if len(set(ranks)) != len(ranks):
         raise ConfigError(f"{name}: ranks {ranks} repeat a rank")
     if sc.fused and stage != ACTOR_GEN:
-        raise ConfigError(f"{name}: fused buffers are a rollout layout, allowed on 'actor.gen' only")
+        raise ConfigError(f"{name}: fused buffers are a rollout layout, allowed on '{ACTOR_GEN}' only")
     if sc.fused and sc.dp_shard:
         raise ConfigError(f"{name}: fused (rollout) buffers cannot also shard state over dp (dp_shard)")
     if sc.micro_batch_size is not None:
@@ -290,7 +290,7 @@ def _check_controller(cfg: JobConfig) -> None:
     if c.enabled and cfg.rollout.engine == "vllm":
         raise ConfigError(
             "controller.enabled with rollout.engine: vllm: vLLM's engine keeps the layout it started with, so the "
-            "controller could not move actor.gen; set controller.enabled: false (plan: auto still chooses the first plan)"
+            f"controller could not move {ACTOR_GEN}; set controller.enabled: false (plan: auto still chooses the first plan)"
         )
 
 

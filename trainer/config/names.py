@@ -1,4 +1,4 @@
-"""The names of the model-stages, defined once.
+"""The names of the model-stages and of the step's other measured pieces, defined once.
 
 A model-stage is one model in one stage: ``<model>.<stage>`` with model actor | critic | ref |
 reward and stage train | gen | infer. The plan (``plan.<model>.<stage>``), the step's measured
@@ -24,6 +24,11 @@ CRITIC_TRAIN_INFER = f"{CRITIC_TRAIN}{OWN_FORWARD}"
 """A training layout's own forward (the old log-probs; the old values without critic.infer): a piece the step measures."""
 SYNC = "sync."
 """The prefix of a weight sync's piece: ``sync.<the copy it fills>``."""
+ADVANTAGES = "advantages"
+"""The step's piece that computes the algorithm's advantages (and returns) on every rank."""
+TRAIN_CHECK = "train.check"
+"""The step's piece after each mini-batch's backward (the check that every loss and gradient is
+finite on every rank, one all-reduce) and after the last (the training metrics' finish)."""
 
 MODEL_STAGES = (ACTOR_TRAIN, ACTOR_GEN, CRITIC_TRAIN, CRITIC_INFER, REF_INFER, REWARD_INFER)
 """Every model-stage a plan may place, in the plan's order."""

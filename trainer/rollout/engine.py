@@ -21,10 +21,9 @@ from nereus.reshard.derive import DecoderSpec
 from nereus.reshard.errors import LayoutError
 
 from ..config import StageConfig
+from ..config.names import ACTOR_GEN
 if TYPE_CHECKING:  # the plan rules are pure: the controller's search asks them without torch
     from .generator import Rollout
-
-ENGINES = ("builtin", "vllm")
 
 
 class RolloutEngine(Protocol):
@@ -43,7 +42,7 @@ def check_rollout_plan(sc: StageConfig, engine: str, *, spec: DecoderSpec | None
     model too); ``cpu``: on vLLM's CPU build, which runs tp=1 and its own head sizes (with
     ``spec``). The one home of these rules: the config check, the stage builder and the
     controller's search (``rollout_plan_ok``) ask it."""
-    name = "plan 'actor.gen'"
+    name = f"plan '{ACTOR_GEN}'"
     if engine == "builtin":
         if sc.fused:
             raise LayoutError(f"{name}: fused (vLLM) buffers need rollout.engine: vllm, not the built-in generator")

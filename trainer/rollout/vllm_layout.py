@@ -35,7 +35,7 @@ from nereus.reshard.derive import DecoderSpec, check_tp, derive_emus
 from nereus.reshard.errors import LayoutError
 from nereus.reshard.layout import DTYPES, EMU, Dims, ParallelConfig, Shard, TensorLayout
 
-from ..config.names import ACTOR, GEN
+from ..config.names import ACTOR, ACTOR_GEN, GEN
 from ..models.decoder import ModelArgs
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
@@ -97,10 +97,10 @@ def vllm_param_names(spec: DecoderSpec, tp: int) -> dict[str, tuple[str, Dims]]:
 def check_vllm_plan(spec: DecoderSpec, config: ParallelConfig, world_size: int) -> None:
     """Raise LayoutError unless vLLM can run ``actor.gen`` under ``config`` in this world."""
     if config.pp != 1:
-        raise LayoutError(f"the vllm engine runs actor.gen with pp=1, got pp={config.pp}")
+        raise LayoutError(f"the vllm engine runs {ACTOR_GEN} with pp=1, got pp={config.pp}")
     if config.ranks != tuple(range(world_size)):
         raise LayoutError(
-            f"the vllm engine needs actor.gen on every rank in order (0..{world_size - 1}), got {config.ranks}: "
+            f"the vllm engine needs {ACTOR_GEN} on every rank in order (0..{world_size - 1}), got {config.ranks}: "
             "vLLM builds its TP groups from consecutive ranks of the whole world"
         )
     vllm_param_names(spec, config.tp)
@@ -110,7 +110,7 @@ def vllm_emus(spec: DecoderSpec, config: ParallelConfig, *, model: str = ACTOR, 
     """The EMUs of vLLM's rollout layout: ``derive_emus(..., fused=True)`` with the vocab-parallel
     tensors cut where vLLM's padded vocabulary puts them (``vocab_rows``)."""
     if config.pp != 1:
-        raise LayoutError(f"the vllm engine runs actor.gen with pp=1, got pp={config.pp}")
+        raise LayoutError(f"the vllm engine runs {ACTOR_GEN} with pp=1, got pp={config.pp}")
     vllm_param_names(spec, config.tp)
     out = []
     for emu in derive_emus(spec, config, model=model, stage=stage, fused=True, version=version):
@@ -181,7 +181,7 @@ def check_vllm_on_cpu(spec: DecoderSpec | None, tp: int, *, head_dims: Sequence[
     names the model."""
     if tp > 1:
         raise LayoutError(
-            f"plan 'actor.gen' with rollout.engine: vllm on CPU runs tp=1 (dp over the ranks), got tp={tp}: vLLM's CPU "
+            f"plan '{ACTOR_GEN}' with rollout.engine: vllm on CPU runs tp=1 (dp over the ranks), got tp={tp}: vLLM's CPU "
             "build repacks its weights, so they reload through load_weights, which wants whole tensors for tp > 1"
         )
     if spec is not None and spec.dim_head not in head_dims:

@@ -49,8 +49,8 @@ from ..algos import ppo
 from ..algos.advantages import kl_k1, masked_mean, minibatch_indices
 from ..algos.registry import Trained, algorithm
 from ..config import JobConfig
-from ..config.names import (ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER, REWARD_INFER,
-                            is_train, model_of, sync_piece)
+from ..config.names import (ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, ADVANTAGES, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER,
+                            REWARD_INFER, TRAIN_CHECK, is_train, model_of, sync_piece)
 from ..data.prompts import Prompts, make_source
 from ..metrics.log import peak_memory
 from ..metrics.meters import StageMeter, rss_bytes, trim_heap
@@ -177,7 +177,7 @@ class Trainer:
             values = self.stages.get(CRITIC_INFER, self.stages[CRITIC_TRAIN])
             with meter(CRITIC_INFER if values.key == CRITIC_INFER else CRITIC_TRAIN_INFER):
                 batch["old_values"] = infer(values, batch, "values")
-        with meter("advantages"):
+        with meter(ADVANTAGES):
             advantage_metrics = self._advantages(batch, scores)
         seconds["inference"] = time.perf_counter() - t
 
@@ -337,7 +337,7 @@ class Trainer:
             for name, stage, fn, clip in models:
                 with self.meter(stage.key):
                     done[name] = backward_minibatch(stage, mb, fn, clip)
-            with self.meter("train.check"):
+            with self.meter(TRAIN_CHECK):
                 self._check_finite(done, k, len(minibatches))
             for name, stage, *_ in models:
                 if done[name] is None:
@@ -350,7 +350,7 @@ class Trainer:
                 norms[name].append(float(done[name].grad_norm))
                 if done[name].sums is not None:
                     sums[name] = done[name].sums if name not in sums else sums[name] + done[name].sums
-        with self.meter("train.check"):
+        with self.meter(TRAIN_CHECK):
             mine = {name: (lrs[name], lr_schedule.optimizer_step_count(stage.optimizer), stage.optimizer.param_groups[0]["lr"])
                     for name, stage, *_ in models if name in lrs}
             metrics, self.extra_state["lr_schedule"] = _finish_metrics(sums, norms, len(minibatches), mine)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, JobConfig, config_to_dict
+from ..config.names import ADVANTAGES, TRAIN_CHECK
 from ..data.rewards import RewardError
 from ..metrics.log import MetricsLog
 from .control import JobControl
@@ -321,7 +322,7 @@ def _agreed(value):
     return out[0]
 
 
-WAITING_PIECES = ("train.check", "advantages")
+WAITING_PIECES = (TRAIN_CHECK, ADVANTAGES)
 """Pieces every rank runs, ending in a world collective: ranks that finished their model-stages
 early wait in them, so the rank that waited least gives their own cost (``min``)."""
 

@@ -18,8 +18,9 @@ OTHER_MEANINGS = {
     ("trainer/simulate/inputs.py", "critic"): (1, "the config section `critic:` of a generated job"),
     ("trainer/metrics/report.py", "reward"): (3, "a plot's label and title"),
     ("trainer/data/datasets.py", "train"): (1, "a HuggingFace dataset split"),
+    ("trainer/algos/registry.py", "advantages"): (3, "the batch's key of the advantages tensor, not the step's piece"),
 }
-"""Where a model's or a stage's word means something else, and how many times. The package is
+"""Where a model's or a stage's word, or a piece's name, means something else, and how many times. The package is
 scanned (trainer/, cli/, nereus/); not ``tools/``, whose benchmark scripts write configs and
 ``--set`` strings by hand, nor ``reshard/`` and ``store/``, which may not import the trainer."""
 
@@ -46,14 +47,18 @@ FRAGMENTS = {".train", ".gen", ".infer", ".train.infer"}
 
 def _spelled(root: Path) -> list[str]:
     files = [p for folder in ("trainer", "cli", "nereus", "tools") for p in sorted((root / folder).rglob("*.py"))]
-    found = []
+    found, counts = [], {}
     for path in files:
         if path == root / "trainer" / "config" / "names.py":
             continue
+        rel = str(path.relative_to(root))
         tree = ast.parse(path.read_text(), str(path))
         docs = _docstrings(tree)
-        found += [f"{path.relative_to(root)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
-                  if isinstance(n, ast.Constant) and (n.value in SPELLED or n.value in FRAGMENTS) and id(n) not in docs]
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and (n.value in SPELLED or n.value in FRAGMENTS) and id(n) not in docs:
+                counts[rel, n.value] = counts.get((rel, n.value), 0) + 1
+                if counts[rel, n.value] > OTHER_MEANINGS.get((rel, n.value), (0, ""))[0]:
+                    found.append(f"{rel}:{n.lineno} {n.value!r}")
     return found
 
 
