@@ -1,8 +1,8 @@
 """The import rules of docs/architecture.md ("Dependency rules") that import-linter cannot state, and its contracts.
 
 - no import circle: strongly connected components of grimp's module graph of ``nereus``
-  (function-level imports count), a package dropped from its own children's circle, as
-  ``../shared/tools/house_check.py`` does (an ``__init__`` that re-exports its children);
+  (function-level imports count), a package dropped from its own children's circle, as the
+  maintainers' own check outside the repository does (an ``__init__`` that re-exports its children);
 - no ``from X import _private`` across files of the package (an AST walk of every file);
 - no ``torch.distributed`` in ``trainer/controller/`` and ``trainer/simulate/``, nor in any module
   they reach (``reshard/plan.py`` aside: it builds on DCP's planner classes);

@@ -2,7 +2,7 @@
 
 The search prices thousands of stage configs per model-stage. They are few *layouts*
 (dp, tp, pp, dp_shard, ranks) times the settings that retune a running stage in place
-(``transition.RETUNED``: micro_batch_size, micro_batch_tokens, recompute). ``Candidates``
+(``RETUNED`` below: micro_batch_size, micro_batch_tokens, recompute). ``Candidates``
 holds the distinct layouts once and each candidate as a row of arrays, so the memory and
 step-time models compute what depends on the layout alone (weights per pipeline stage,
 links) once per layout and the rest elementwise; ``config(i)`` rebuilds candidate ``i``'s
@@ -136,7 +136,7 @@ class Candidates:
         return value
 
     def elements(self, spec) -> np.ndarray:
-        """``memory.local_elements`` of every layout, [layouts, its largest pp] (0 past a layout's pp)."""
+        """``local_elements`` (below) of every layout, [layouts, its largest pp] (0 past a layout's pp)."""
         def table():
             held = [local_elements(spec, sc.tp, sc.pp, sc.dp, sc.dp_shard) for sc in self.layouts]
             out = np.zeros((len(held), max(map(len, held), default=1)), dtype=np.int64)

@@ -54,7 +54,7 @@ MEMORY_STEPS = 12
 """Steps of a rank class's measured peaks the memory fit keeps (``fit_memory``: the largest
 correction of them), each its worst rank's."""
 UNSEEN_MARGIN = 0.25
-"""A class of training layouts (``search.rank_class``) the job has not run yet is priced at
+"""A class of training layouts (``classes.rank_class``) the job has not run yet is priced at
 the largest correction measured plus this share of the model's peak: FSDP2's, TP's and PP's
 buffers are what the model counts least well (on CPU FSDP2 measured ~20% over it). Fixed,
 not learned: an entry into one class says little of the next (a TP class that needed 2%
@@ -383,7 +383,7 @@ class Controller:
 
     def _retunes(self, cfg: JobConfig, work: Workload) -> list[PlanChoice]:
         """The best plans that keep the running layouts and retune their micro-batches, token
-        budgets and recompute (``search(retunes_of=)``; ``transition.RETUNED``: no state moves),
+        budgets and recompute (``search(retunes_of=)``; ``candidates.RETUNED``: no state moves),
         fitting the budget at ``work``; none when none fits."""
         try:
             return search(cfg, work, self.profile, self.model, fit=self.memory, top=12, retunes_of=cfg.plan).plans

@@ -75,7 +75,7 @@ def changed_stages(old: PlanConfig, new: PlanConfig) -> list[str]:
 
 
 def rebuilt_stages(old: PlanConfig, new: PlanConfig) -> list[str]:
-    """Changed model-stages whose layout changes (anything but ``RETUNED``: the micro-batch
+    """Changed model-stages whose layout changes (anything but ``candidates.RETUNED``: the micro-batch
     size or token budget, activation recompute): they are built anew and their state moves;
     the others only retune the running stage."""
     a, b = old.stages(), new.stages()

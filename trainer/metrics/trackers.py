@@ -3,7 +3,7 @@
 ``logging.trackers`` picks them: ``console`` (a line every ``logging.console_every`` steps,
 and a progress bar when stderr is a terminal), ``tensorboard`` (``RUN_DIR/tensorboard``),
 ``wandb`` and ``mlflow`` (optional extras: ``pip install 'nereus[wandb]'``, ``'nereus[mlflow]'``).
-Every tracker gets the same record: ``metrics.flatten`` of the step's metrics (numeric leaves
+Every tracker gets the same record: ``log.flatten`` of the step's metrics (numeric leaves
 as ``a/b`` keys), at the step's number.
 
 Call order (``MetricsLog``, rank 0): ``open_trackers`` once; ``log(step, values, record)``

@@ -14,7 +14,7 @@ The local tensors match ``reshard.derive.derive_emus`` exactly (checked at build
   rows, zeros elsewhere, all-reduce), since DTensor's own ``RowwiseParallel`` embedding fails
   on a rank whose shard is empty. Training and inference stages keep
   the logits sharded too: the model returns this rank's vocabulary columns [.., V_t] and
-  ``trainer.vocab_parallel`` computes log-probs, entropy and losses from them
+  ``vocab_parallel`` computes log-probs, entropy and losses from them
   (``StagePart.vocab``), so no rank holds full-vocabulary logits. Generation
   (``vocab_parallel=False``) all-gathers its one position's logits, to sample from them;
 - q/gate/up (and q/k/v biases) column-parallel, o/down row-parallel (dim 1);
@@ -24,7 +24,7 @@ The local tensors match ``reshard.derive.derive_emus`` exactly (checked at build
   (``ReplicatedKVHead``). Their input gradient is all-reduced over the TP group in backward
   (Megatron's "f": identity forward, sum backward), and their weight gradient, computed by
   each copy from its own query heads only, is summed over the tp / kv copies by
-  ``trainer.pipeline.sync_grads``: d/dW_k = sum over copies of x^T dL/dk_copy;
+  ``pipeline.sync_grads``: d/dW_k = sum over copies of x^T dL/dk_copy;
 - norms and the value head: replicated plain tensors (their gradients are identical on
   every TP rank because every activation gradient reaching them has been all-reduced);
 - tied embeddings (lm head): the output projection ``F.linear(h, embed.weight)`` needs ``h``

@@ -369,7 +369,7 @@ class VLLMEngine:
         """Sample up to ``max_new_tokens`` per prompt; the ``Rollout`` of the built-in generator.
 
         Every rank of this rank's TP group must call it with the same arguments. Row i samples
-        with seed ``hash(seed, first_row + i)``, so a seed gives the same tokens on every TP
+        with seed ``seeds.row_seed(seed, first_row + i)``, so a seed gives the same tokens on every TP
         rank and run, and, with ``first_row`` the replica's first row of the batch, at any dp.
         """
         if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:

@@ -1,6 +1,6 @@
 """The simulator's typed inputs: a cluster, a job and a trace spec, from YAML (pure but the reads).
 
-Each is a frozen dataclass built by the job config's own builder (``config._build``: unknown
+Each is a frozen dataclass built by the job config's own builder (``config.build_tree``: unknown
 keys rejected with the closest one, types checked, the dotted key named), then checked.
 
 - ``Cluster``: a device kind (a shipped device profile, ``trainer/controller/profiles``, or a
@@ -190,7 +190,7 @@ FREE = {Cluster: ("links",), JobInput: ("plan", "controller")}
 
 
 def build(cls: type, data: dict, prefix: str = "") -> Any:
-    """``config._build`` of ``cls``, with its ``FREE`` fields (and a nested ``world``) taken apart."""
+    """``config.build_tree`` of ``cls``, with its ``FREE`` fields (and a nested ``world``) taken apart."""
     data = dict(data)
     free = {k: data.pop(k) for k in FREE.get(cls, ()) if k in data}
     for key in free:

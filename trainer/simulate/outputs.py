@@ -3,7 +3,8 @@
 - ``summary_json(result)``: per policy the mean step latency, the run time and its parts
   (steps, transitions, restarts, waits), every transition with its predicted and real cost
   and its share of the run, decision times, waits and restarts, and the per-step seconds;
-  ``vs_fixed`` (1 − mean ÷ fixed's mean) and ``vs_oracle`` (mean ÷ oracle's mean);
+  ``over_best_static``, ``over_initial_fixed`` and ``over_oracle`` (per policy, that baseline's run
+  time ÷ the policy's: 1.10 is 10% faster);
 - ``summary_markdown(result)``: the same as tables, the waits said in words;
 - ``plots(result, out)``: ``latency.png`` (seconds per step per policy), ``plan.png`` (the
   adaptive plan's layout per model-stage over the steps, transitions marked) and
