@@ -120,20 +120,25 @@ def preflight(cfg, max_restarts: int = 0) -> None:
     from nereus.trainer.data.prompts import check_inputs
     from nereus.trainer.metrics.trackers import check_trackers
 
-    from nereus.trainer.elastic.staging import check_staging_dir, legacy_staging, node_staging_dir, staging_base, staging_root
+    from nereus.trainer.elastic.run_token import has_token
+    from nereus.trainer.elastic.staging import (check_staging_dir, earlier_staging, legacy_staging, node_staging_dir, staging_base,
+                                                staging_root)
 
     try:
         node_staging_dir()  # NEREUS_STAGING_DIR, this node's own staging path
-        old = legacy_staging(staging_base(cfg))
-        if old and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
-            typer.echo(f"nereus: {old}", err=True)
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            for left in (legacy_staging(staging_base(cfg)), earlier_staging(staging_base(cfg), cfg.run_dir)):
+                if left:
+                    typer.echo(f"nereus: {left}", err=True)
         if cfg.elastic.staging == "always" or (cfg.elastic.staging == "auto" and max_restarts > 0):
-            refused = check_staging_dir(staging_root(cfg))  # another user's, a link, or writable by others
+            # a first start's dir is named by the token it makes (restore.agree_start): its parents are checked here
+            root = staging_root(cfg) if has_token(cfg.run_dir) else os.path.join(staging_base(cfg), "nereus-")
+            refused = check_staging_dir(root)  # another user's, a link, or writable by others
             if refused:
                 raise ConfigError(refused)
         resolve_device(cfg)  # device: cuda needs a GPU per local worker; fail here, before any launch
         check_trackers(cfg.logging.trackers)  # wandb/mlflow installed where rank 0 will log to them
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, OSError) as e:  # OSError: e.g. an unreadable run token (its path named)
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     for key in MODEL_SECTIONS:

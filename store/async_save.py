@@ -6,7 +6,7 @@ match (pinned when CUDA is up: pinned allocation is slow, so it happens once) â€
 written and committed (``checkpoint.save_checkpoint``) by a background thread over a
 dedicated gloo group, so training continues; at most one save is in flight, so the buffers
 are never overwritten while a save reads them. Retention keeps the last K. The node's
-staged copies (``trainer/elastic/staging.py``) are saved through it, sealed under the run id.
+staged copies (``trainer/elastic/staging.py``) are saved through it, sealed under the run's staging id.
 """
 
 from __future__ import annotations

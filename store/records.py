@@ -149,7 +149,7 @@ def manifest_seal(m: Manifest, key: str) -> str:
     """A manifest's seal under ``key`` (pure): SHA-256 of ``key`` and the manifest as stored
     (every file with its size and CRC32C blocks, the EMUs, the job state but its own seal),
     so a seal read back matches only the manifest it was made for, under the same key (a
-    staged copy's: its run id). It is an integrity binding, not a secret: a writer who can
+    staged copy's: its staging id). It is an integrity binding, not a secret: a writer who can
     write the manifest can also recompute it (the staging dir's owner check keeps others
     from writing there)."""
     d = manifest_to_dict(replace(m, state={k: v for k, v in (m.state or {}).items() if k != SEAL}))

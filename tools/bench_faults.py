@@ -89,7 +89,7 @@ class Job:
     def __init__(self, base: Path, name: str) -> None:
         self.dir = base / name
         self.run = self.dir / "run"
-        self.staging = f"/dev/shm/nereus-bench-{uuid.uuid4().hex[:10]}"  # the base: the run stages in nereus-<run id> there
+        self.staging = f"/dev/shm/nereus-bench-{uuid.uuid4().hex[:10]}"  # the base: the run stages in nereus-<staging id> there
         self.phases = self.dir / "phases.jsonl"
         self.dir.mkdir(parents=True)
         self.env = {**os.environ, "NEREUS_PHASE_LOG": str(self.phases), "NEREUS_FORCE_PLAN": f"{TRANSITION_AFTER}:{FORCE}"}
@@ -183,7 +183,7 @@ def final_actor(run: Path) -> tuple[int, dict]:
 
 
 def staged_dir(job: Job) -> str:
-    """The run's own staging dir: ``nereus-<run id>`` in the job's staging base."""
+    """The run's own staging dir: ``nereus-<staging id>`` in the job's staging base."""
     from nereus.trainer.elastic.run_token import staging_id
 
     return os.path.join(job.staging, f"nereus-{staging_id(str(job.run))}")

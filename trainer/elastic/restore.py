@@ -3,7 +3,7 @@
 Restore (``choose_sources`` then ``restore_newest``): every rank reports what it sees — the
 staged manifests on its node and the newest durable step — and every rank derives the same
 ordered list: the newest staged step that every rank sees and that passes every check of
-``check_staged`` (this run's — its seal matches the run id — and this lineage's, not older than the durable checkpoint, its
+``check_staged`` (this run's — its seal matches the staging id — and this lineage's, not older than the durable checkpoint, its
 plan record consistent with the durable checkpoint's and with the layouts its data was saved
 from, the same on every node, staged on each rank's node by that rank in a world of this
 size), then the durable checkpoint (every rank reads the same manifest).
@@ -150,7 +150,7 @@ def plan_record_conflict(staged: Mapping | None, durable: Mapping | None, durabl
 
 
 def seal_state(manifest, key: str | None) -> str:
-    """``ok`` when the manifest's seal is the one made under ``key`` (the run id), else
+    """``ok`` when the manifest's seal is the one made under ``key`` (the staging id), else
     ``missing``, ``mismatch`` or ``unchecked`` (no key)."""
     from nereus.store.records import SEAL, manifest_seal
 
@@ -164,7 +164,7 @@ def seal_state(manifest, key: str | None) -> str:
 
 def summarize(manifest, seal: str | None = None) -> dict:
     """What ``check_staged`` reads of a staged manifest (JSON-able: it crosses ranks);
-    ``seal``: the key it must be sealed under (the run id)."""
+    ``seal``: the key it must be sealed under (the staging id)."""
     plan = manifest.plan or {}
     state = manifest.state or {}
     layouts = []
@@ -299,7 +299,7 @@ def choose_sources(views: list[dict], *, run_dir: str, staged_root: str, durable
 
 def local_view(staged_root: str, durable_root: str, seal: str | None = None) -> dict:
     """This rank's view: the newest staged manifest it sees on its node (``summarize``, its
-    seal checked under ``seal``, the run id; a staging dir ``check_staging_dir`` refuses is
+    seal checked under ``seal``, the staging id; a staging dir ``check_staging_dir`` refuses is
     an error, never read), the
     older committed ones (``staged_older``, newest first: a step every node holds may be
     older than one node's newest), the durable step, plan and job-state record

@@ -76,7 +76,7 @@ from typing import Mapping
 import torch.distributed as dist
 
 from .phases import mark
-from .run_token import staging_id
+from .run_token import has_token, run_id, staging_id
 
 STAGING_BASE = "/dev/shm"
 STAGING_ENV = "NEREUS_STAGING_DIR"
@@ -120,8 +120,63 @@ def legacy_staging(base: str) -> str | None:
     except OSError:
         held, size = [meta], 0
     return (f"staging dir {base} holds staged copies in an older layout ({' and '.join(held)}, {size / (1 << 20):.1f} MiB; "
-            f"this version stages in {base}/nereus-<run id>): they are neither restored nor cleared; remove them "
+            f"this version stages in {base}/nereus-<staging id>): they are neither restored nor cleared; remove them "
             f"(rm -r {' '.join(held)}) once no older run needs them")
+
+
+RUN_FILE = "run"
+"""In each staging dir: its run dir's absolute path (``earlier_staging`` reads it)."""
+
+
+def mark_run(root: str, run_dir: str) -> None:
+    """Write ``root``'s ``RUN_FILE`` (0600, never through a link)."""
+    fd = os.open(os.path.join(root, RUN_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (os.path.abspath(run_dir) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def earlier_staging(base: str, run_dir: str) -> str | None:
+    """One line naming this user's staging dirs in ``base`` that hold an earlier run's copies
+    at ``run_dir``'s path, not this run's: an older Nereus's ``nereus-<run id>`` (named by the
+    path alone: only that version restores it), and those whose ``RUN_FILE`` names the path
+    under another token (the run dir was removed and made again, or another container's run
+    at the same path). This run neither restores nor clears them; None when there are none
+    (reads only)."""
+    path = os.path.abspath(run_dir)
+    mine, old = (f"nereus-{staging_id(path)}" if has_token(path) else None), f"nereus-{run_id(path)}"
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return None
+    found = []
+    for name in names:
+        if not name.startswith("nereus-") or "." in name or name == mine:  # dotted: the launchers' sentinels
+            continue
+        d = os.path.join(base, name)
+        try:
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if name == old:
+                found.append((d, ", an older Nereus's"))
+                continue
+            fd = os.open(os.path.join(d, RUN_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                named = os.read(fd, 1 << 16).decode(errors="replace").strip()
+            finally:
+                os.close(fd)
+            if named == path:
+                found.append((d, ""))
+        except OSError:
+            continue
+    if not found:
+        return None
+    held = ", ".join(f"{d} ({tree_bytes(d) / (1 << 20):.1f} MiB{note})" for d, note in found)
+    return (f"staged copies of earlier runs at {path} are left in {held}: this run neither restores nor "
+            f"clears them; remove them (rm -r {' '.join(d for d, _ in found)}) once no run at this path "
+            "(another container's, or an older Nereus resuming its own) needs them")
 
 
 def local_rank() -> int:
@@ -303,7 +358,7 @@ def open_staging_dir(root: str, *, create: bool = True) -> str | None:
 
 def clear_staging(root: str) -> None:
     """Remove this run's staged copies on this node: its own dir's (``staging_root``, named
-    by the run id) ``meta/`` and ``data/`` only, then that dir if it is left empty — never
+    by the staging id) ``meta/``, ``data/`` and ``RUN_FILE`` only, then that dir if it is left empty — never
     anything else in the base it sits in (another run's ``nereus-<staging id>``, other files). A
     refused dir (``check_staging_dir``) is left as it is, with one line."""
     if not os.path.lexists(root):
@@ -314,6 +369,10 @@ def clear_staging(root: str) -> None:
         return
     for part in ("meta", "data"):
         shutil.rmtree(os.path.join(root, part), ignore_errors=True)
+    try:
+        os.unlink(os.path.join(root, RUN_FILE))
+    except OSError:
+        pass
     try:
         os.rmdir(root)
     except OSError:
@@ -349,7 +408,7 @@ def advance_plan_record(record: Mapping | None, plan: Mapping, step: int) -> dic
 
 def staged_state(run_dir: str, lineage: str | None) -> dict:
     """What a staged manifest's job state adds for ``check_staged``: whose run (its path and
-    run id: the key it is sealed under) and lineage."""
+    staging id, under ``"run_id"``: the key it is sealed under) and lineage."""
     return {"staged": {"run": os.path.abspath(run_dir), "run_id": staging_id(run_dir), "lineage": lineage}}
 
 
@@ -421,6 +480,8 @@ class Stager:
         world = dist.get_world_size()
         try:
             where = open_staging_dir(self.root) if local_rank() == 0 else None  # one creator per node
+            if where is None and local_rank() == 0:
+                mark_run(self.root, cfg.run_dir)
         except OSError as e:
             where = f"cannot create it ({e})"
         dist.barrier()  # the node's local rank 0 made it before any other rank looks

@@ -66,7 +66,7 @@ def test_a_killed_worker_is_restarted_from_the_staged_step_and_each_step_is_logg
             assert again[before["step"]][k] == before[k], f"step {before['step']} {k}: {again[before['step']][k]} vs {before[k]}"
     staged = [r for r in ours if r["step"] not in (1, restored + 1)]  # each attempt's first step follows no staging
     assert all(r["staging"]["step"] == r["step"] - 1 and r["staging"]["copy_s"] < r["step_seconds"] for r in staged)
-    assert not os.path.exists(own())  # the finished run gave the node's memory back
+    assert not os.path.exists(own()) and os.listdir(shm_dir) == []  # the finished run gave the node's memory back
 
 
 @pytest.mark.slow
@@ -165,3 +165,4 @@ def test_on_two_nodes_a_killed_worker_is_restarted_from_the_step_both_nodes_stag
 
     own = f"nereus-{staging_id(str(run_dir))}"  # each node's copies: the run's own dir in the node's staging base
     assert not os.path.exists(f"{shm_dir}/a/{own}") and not os.path.exists(f"{shm_dir}/b/{own}")
+    assert [n for node in ("a", "b") for n in os.listdir(f"{shm_dir}/{node}") if n.startswith("nereus-")] == []  # no dir of any name

@@ -431,7 +431,8 @@ def test_a_sigkilled_run_leaves_its_shm_files_and_the_resume_removes_them(tmp_pa
     try:
         deadline = time.monotonic() + 150
         while job.poll() is None and time.monotonic() < deadline:
-            marks = [json.loads(line) for line in phases.read_text().splitlines()] if phases.exists() else []
+            marks = [json.loads(line) for line in phases.read_text().splitlines(keepends=True) if line.endswith("\n")] \
+                if phases.exists() else []  # a line being written has no newline yet
             if any(m["phase"] == "stage" and m["edge"] == "end" and m["step"] >= 3 for m in marks):
                 break  # step 3's copy is committed; the next stage waits for it, so steps 5 and 6 are still to run
             time.sleep(0.02)

@@ -47,6 +47,9 @@ def _train_and_stage(rank, world, run_dir, shm_dir):
     stager.close()
     modes = {os.stat(os.path.join(d, x)).st_mode & 0o7777 for d, dirs, files in os.walk(shm_dir) for x in dirs + files}
     modes.add(os.stat(shm_dir).st_mode & 0o7777)
+    from nereus.trainer.elastic.staging import RUN_FILE
+
+    named = open(os.path.join(_own(shm_dir, run_dir), RUN_FILE)).read()  # whose copies these are (earlier_staging)
     states[2] = {k: v.clone() for k, v in trainer.stages["actor.train"].buffers().items()}
     lrs[2] = trainer.stages["actor.train"].optimizer.param_groups[0]["lr"]
     out = []
@@ -66,7 +69,7 @@ def _train_and_stage(rank, world, run_dir, shm_dir):
         lr = fresh.stages["actor.train"].optimizer.param_groups[0]["lr"]
         out.append((step, record, same, [s.kind for s in sources], os.path.isdir(_own(shm_dir, run_dir)), (fresh.step, lr == lrs[step])))
     out.append(_capacity_and_a_failed_write(cfg, rank, fresh, shm_dir))
-    out.append(modes)
+    out.append((modes, named))
     return out
 
 
@@ -209,8 +212,9 @@ def test_a_save_by_a_node_writes_every_box_its_ranks_hold_replicas_too():
 
 @pytest.mark.timeout(120)
 def test_the_staged_copy_restores_its_step_and_a_corrupted_one_is_refused_for_the_durable(tmp_path, shm_dir):
-    staged, durable, capacity, modes = run_distributed(_train_and_stage, 1, str(tmp_path / "run"), shm_dir, timeout=110)[0]
+    staged, durable, capacity, (modes, named) = run_distributed(_train_and_stage, 1, str(tmp_path / "run"), shm_dir, timeout=110)[0]
     assert modes == {0o700, 0o600}  # only its owner reads the staged copy: dirs 0700, files 0600 (the store's too)
+    assert named == f"{tmp_path / 'run'}\n"
     step, record, same, kinds, left, counters = staged
     assert step == 2 and record["source"] == "staged" and record["refused"] == [] and kinds == ["staged", "durable"]
     assert same and counters == (2, True) and left  # every element of the actor's state; the step and the LR schedule
@@ -611,10 +615,110 @@ def test_a_run_dir_at_the_same_path_that_is_not_this_run_stages_under_another_id
     os.makedirs(run)
     run_token(run)
     assert staging_id(run) != mine  # the other container's run at the same path
-    node_b = str(tmp_path / "node-b-run")  # a node whose run dir holds no token takes rank 0's (restore.agree_start)
-    adopt_run_token(node_b, tokens[0])
-    assert staging_id(node_b) != run_id(node_b) and not os.path.exists(os.path.join(node_b, RUN_TOKEN))
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / RUN_TOKEN).write_text("")
-    with pytest.raises(OSError, match="is empty: remove it"):
-        run_token(str(tmp_path / "empty"))
+    theirs = staging_id(run)
+    os.unlink(os.path.join(run, RUN_TOKEN))  # a rank whose node sees no token file takes rank 0's (restore.agree_start)
+    assert staging_id(run) == run_id(run)
+    adopt_run_token(run, tokens[0])
+    assert staging_id(run) == mine != theirs and not os.path.exists(os.path.join(run, RUN_TOKEN))
+
+
+def test_a_run_token_that_cannot_be_read_or_is_not_one_is_a_line_naming_its_file(tmp_path, monkeypatch):
+    """An empty, unreadable or foreign token file: an OSError naming it (the launcher's exit 2,
+    agree_start's line); a killed start's .tmp file goes; without hard links, O_EXCL makes it."""
+    import errno
+
+    from nereus.trainer.elastic.run_token import RUN_TOKEN, run_token, staging_id
+
+    for name, make in (("empty", lambda p: p.write_text("")), ("foreign", lambda p: p.write_text("not a token\n")),
+                       ("a-dir", lambda p: p.mkdir())):
+        (tmp_path / name).mkdir()
+        make(tmp_path / name / RUN_TOKEN)
+        with pytest.raises(OSError, match=f"{tmp_path / name / RUN_TOKEN}"):
+            run_token(str(tmp_path / name))
+        if name != "empty":
+            with pytest.raises(OSError, match=f"{tmp_path / name / RUN_TOKEN}"):
+                staging_id(str(tmp_path / name))
+    left = tmp_path / "left"
+    left.mkdir()
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid: no process now
+    host = socket.gethostname()
+    gone, live, elsewhere = (f"{RUN_TOKEN}.{host}.{dead.pid}.abcd.tmp", f"{RUN_TOKEN}.{host}.{os.getpid()}.abcd.tmp",
+                             f"{RUN_TOKEN}.other-host.{dead.pid}.abcd.tmp")
+    for name in (gone, live, elsewhere):  # a SIGKILL between a write and its unlink; a maker still at work; another host's
+        (left / name).write_text("ff" * 16)
+    run_token(str(left))
+    assert sorted(os.listdir(left)) == sorted([RUN_TOKEN, live, elsewhere])
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted", src)
+
+    monkeypatch.setattr(os, "link", no_links)
+    plain = tmp_path / "no-links"
+    token = run_token(str(plain))
+    assert sorted(os.listdir(plain)) == [RUN_TOKEN] and len(token) == 32 and run_token(str(plain)) == token
+
+
+def test_staging_dirs_of_earlier_runs_at_this_path_are_named_and_left(tmp_path, shm_dir):
+    """An older Nereus's nereus-<run id>, and a dir whose run file names this run dir under
+    another token (the run dir removed and made again): named in one line with their size
+    and the rm -r; this run's own dir, another run's, a sentinel file, a linked dir: not named.
+    Nothing is removed."""
+    import shutil
+
+    from nereus.trainer.elastic.run_token import run_id, run_token, staging_id
+    from nereus.trainer.elastic.staging import RUN_FILE, earlier_staging, mark_run
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    os.makedirs(shm_dir)
+    assert earlier_staging(shm_dir, str(run)) is None
+    old = os.path.join(shm_dir, f"nereus-{run_id(str(run))}")  # an older Nereus's, named by the path alone
+    os.makedirs(os.path.join(old, "data"))
+    with open(os.path.join(old, "data", "box"), "wb") as f:
+        f.write(b"\0" * (1 << 20))
+    run_token(str(run))
+    earlier = os.path.join(shm_dir, f"nereus-{staging_id(str(run))}")
+    os.makedirs(earlier)
+    mark_run(earlier, str(run))
+    shutil.rmtree(run)  # removed and made again: a new token
+    run_token(str(run))
+    mine = os.path.join(shm_dir, f"nereus-{staging_id(str(run))}")
+    run_token(str(other))
+    for d, owner in ((mine, run), (os.path.join(shm_dir, f"nereus-{staging_id(str(other))}"), other)):
+        os.makedirs(d)
+        mark_run(d, str(owner))
+    open(os.path.join(shm_dir, f"nereus-{run_id(str(run))}.123.launcher"), "w").close()
+    os.symlink(earlier, os.path.join(shm_dir, "nereus-linked"))
+    named = {old: f"{old} (1.0 MiB, an older Nereus's)", earlier: f"{earlier} (0.0 MiB)"}
+    assert earlier_staging(shm_dir, str(run)) == (
+        f"staged copies of earlier runs at {run} are left in {', '.join(named[d] for d in sorted(named))}: this run neither "
+        f"restores nor clears them; remove them (rm -r {' '.join(sorted(named))}) once no run at this path (another "
+        "container's, or an older Nereus resuming its own) needs them")
+    assert os.path.isdir(old) and open(os.path.join(earlier, RUN_FILE)).read() == f"{run}\n"
+    assert os.stat(os.path.join(earlier, RUN_FILE)).st_mode & 0o777 == 0o600
+
+
+def test_a_first_start_checks_the_staging_bases_parents_not_a_dir_named_by_the_path(tmp_path, shm_dir):
+    """Before the first start makes the run token, the staging dir's name is unknown: a loose
+    dir planted at nereus-<run id> (a public hash) does not stop the launch; once the run dir
+    has its token, its own dir is checked."""
+    from nereus.cli.train import preflight
+    from nereus.trainer.elastic.run_token import run_id, run_token
+    from nereus.trainer.elastic.staging import staging_root
+
+    run = tmp_path / "run"
+    cfg = load_config(TINY_GRPO, [f"run_dir={run}", f"elastic.staging_dir={shm_dir}"])
+    planted = os.path.join(shm_dir, f"nereus-{run_id(str(run))}")
+    os.makedirs(planted)
+    os.chmod(planted, 0o777)
+    preflight(cfg, max_restarts=1)  # no exit: the workers' dir is nereus-<staging id>
+    run_token(str(run))
+    os.makedirs(staging_root(cfg))
+    os.chmod(staging_root(cfg), 0o777)
+    import typer
+
+    with pytest.raises(typer.Exit):
+        preflight(cfg, max_restarts=1)
