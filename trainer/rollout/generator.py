@@ -6,7 +6,9 @@ Each step samples one token per row from ``softmax(logits / temperature)`` restr
 top-p nucleus (greedy argmax when temperature == 0). Rows with the same prompt are
 prefilled once (``_prefill``). A row stops after emitting a stop token; later columns
 hold ``pad_id``. Decoding ends when every row has stopped or after
-``max_new_tokens`` steps, so N <= max_new_tokens.
+``max_new_tokens`` steps, so N <= max_new_tokens. Stopped rows leave the batch the model
+runs (``RETIRE_SHARE``), as a serving engine's finished requests do: a step's decode costs
+the rows still generating, not the whole batch until its longest row ends.
 
 Log-probs (what RL needs as the behaviour policy's log-prob): ``log_softmax(logits / T)``
 of the sampled token, of the model's logits before top-p filtering (verl's convention; with
@@ -33,6 +35,11 @@ import torch
 from torch import nn
 
 from ..models.decoder import KVCache
+
+RETIRE_SHARE = 4
+"""Finished rows leave the decoding batch (and the KV cache) once they are at least 1 /
+``RETIRE_SHARE`` of the rows it still runs: each retirement copies the cache of the rows
+left, so the copies shrink geometrically (at most ``RETIRE_SHARE`` caches' worth in all)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,9 +191,16 @@ def _decode(
     else:
         cache, logits = None, model(ids, attention_mask=prompt_mask)[:, -1]
     done = torch.zeros(b, dtype=torch.bool, device=device)
+    live = torch.arange(b, device=device)  # the batch row of each row the model still runs (a cache row)
     new_tokens, new_logprobs, alive_cols = [], [], []
     for step in range(max_new_tokens):
-        token, logp = sample(logits, temperature, top_p, generator, None if uniforms is None else uniforms[:, step : step + 1])
+        if uniforms is not None:
+            u = uniforms[live, step : step + 1]
+        else:  # B draws every step whatever has retired, so the streams stay in step
+            u = torch.rand((b, 1), generator=generator, device=device)[live] if temperature > 0 else None
+        drawn, drawn_logp = sample(logits, temperature, top_p, generator, u)
+        token = torch.full((b,), pad_id, dtype=torch.long, device=device).index_copy_(0, live, drawn)
+        logp = torch.zeros(b, dtype=drawn_logp.dtype, device=device).index_copy_(0, live, drawn_logp)
         alive = ~done
         token, logp = token.masked_fill(done, pad_id), logp.masked_fill(done, 0.0)
         new_tokens.append(token)
@@ -196,7 +210,12 @@ def _decode(
         if step == max_new_tokens - 1 or bool(done.all()):
             break
         if cache is not None:
-            logits = model(token[:, None], attention_mask=alive[:, None], kv_cache=cache)[:, -1]
+            finished = done[live]
+            if int(finished.sum()) * RETIRE_SHARE >= live.numel():  # retire them: the cache keeps the rows still generating
+                keep = (~finished).nonzero().squeeze(1)
+                cache.select_rows(keep)
+                live = live[keep]
+            logits = model(token[live][:, None], attention_mask=alive[live][:, None], kv_cache=cache)[:, -1]
         else:
             tokens, real = torch.cat([tokens, token[:, None]], 1), torch.cat([real, alive[:, None]], 1)
             logits = model(tokens, attention_mask=real)[:, -1]

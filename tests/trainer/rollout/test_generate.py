@@ -162,3 +162,23 @@ def test_shared_prompts_are_prefilled_once_with_the_same_rollout(model):
     plain = generate_no_cache(model, prompts, pad_id=PAD, max_new_tokens=5, generator=seeded(2))
     assert_same(cached, plain)
     assert_well_formed(cached, set())
+
+
+def test_stopped_rows_leave_the_decoding_batch_with_the_same_rollout(model):
+    """Rows that stopped leave the batch the model runs once they are a quarter of it (the
+    cache keeps the others): the decode forwards shrink, and the tokens and log-probs are
+    the recompute-everything generator's, row by row, with uniforms or a generator."""
+    first = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=1, temperature=1.0, generator=seeded(1))
+    stops = tuple(set(first.tokens[:2, -1].tolist()))  # rows 0 and 1 stop at once, the others run on
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    try:
+        cached = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=12, stop_tokens=stops, generator=seeded(1))
+    finally:
+        hook.remove()
+    assert seen[0] == 4 and seen[1] <= 2 and max(seen[1:]) <= 2  # the prefill, then the two rows still generating
+    assert_same(cached, generate_no_cache(model, PROMPTS, pad_id=PAD, max_new_tokens=12, stop_tokens=stops, generator=seeded(1)))
+    u = torch.rand(4, 12, generator=seeded(5))
+    a = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=12, stop_tokens=stops, uniforms=u)
+    assert_same(a, generate_no_cache(model, PROMPTS, pad_id=PAD, max_new_tokens=12, stop_tokens=stops, uniforms=u))
+    assert_well_formed(a, set(stops))
