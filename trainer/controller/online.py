@@ -123,7 +123,7 @@ class Controller:
         self.transition_samples: list[tuple[float, int, float]] = []
         self.errors: deque = deque(maxlen=20)
         self.stage_errors: dict[str, deque] = {}  # per model-stage: its pieces' relative error, the last 20 steps
-        self.lengths: list[tuple[int, float]] = []
+        self.lengths: list[tuple] = []  # per step seen: (response_max, response_mean[, response_sq_mean])
         self.prompt_mean: float | None = None  # real prompt tokens of a row, on average (None: as long as the longest)
         self.watch = DriftWatch(drift=settings.drift)
         self.watched = plan_key(cfg.plan)  # the plan the watch's shares were measured under
@@ -163,10 +163,11 @@ class Controller:
         recalibrate. Returns the predictions line."""
         self.step = int(metrics["step"])
         longest, mean = int(metrics["lengths"]["response_max"]), float(metrics["response_length"])
-        self.lengths.append((longest, mean))
+        sq = metrics["lengths"].get("response_sq_mean")  # (a record written before it was kept: none)
+        self.lengths.append((longest, mean) if sq is None else (longest, mean, float(sq)))
         seen = observed_prompt_mean(metrics)
         self.prompt_mean = seen if seen is not None else self.prompt_mean
-        work = dataclasses.replace(Workload.from_config(cfg).at(longest, mean), prompt_mean=self.prompt_mean)
+        work = dataclasses.replace(Workload.from_config(cfg).at(*self.lengths[-1]), prompt_mean=self.prompt_mean)
         where = Placement(nproc=cfg.nproc, profile=self.profile)
         pieces, predicted_total, measured_total = {}, 0.0, 0.0
         per_stage: dict[str, list[float]] = {}  # model-stage: [predicted, measured] of its pieces
@@ -475,7 +476,7 @@ class Controller:
         """``state_dict``'s state back, and the fits refitted from it. The calibration is
         re-learned when the state has none (saved before it was kept) or was measured on
         another device profile (another kind of hardware)."""
-        self.lengths = [(int(a), float(b)) for a, b in state.get("lengths", [])]
+        self.lengths = [(int(x[0]), *map(float, x[1:])) for x in state.get("lengths", [])]
         self.left = {k: int(v) for k, v in state.get("left", {}).items()}
         self.watch.reference = dict(state.get("reference", {}))
         self.watch.last_drift = {k: int(v) for k, v in state.get("last_drift", {}).items()}

@@ -353,22 +353,26 @@ class _Static:
 
 def _gen_features(spec, work: Workload, where: Placement, c: Candidates, links, *, flops: float, dispatch: float, size: int, busy: int,
                   f) -> dict[str, np.ndarray]:
-    """Generation's features: a prefill over the prompts, then one token per step (the KV cache)."""
+    """Generation's features: a prefill over the prompts, then one token per step (the KV cache)
+    for the rows still generating (a stopped row leaves the batch): the decode runs as many
+    steps as the longest response, each reading the rank's weights; its tokens, their KV
+    cache reads and their activations follow the rows' lengths (``Workload.sq_mean``)."""
     t, layers = c.tp, -(-spec.num_layers // c.pp)
     h, hd = spec.hidden_size, spec.num_heads * spec.dim_head
     head = 2 * h * (vocab_shard_rows(spec.vocab_size, t) if spec.head == "lm" else 1)  # the largest shard's
     rows = -(-work.batch // c.dp)
     new = work.response_max
     prefill_tokens = rows * work.prompt
-    # step s attends over prompt + s cached tokens: Σ_s (P + s) = new·P + new(new − 1)/2
-    attended = new * work.prompt + new * (new - 1) / 2
-    decode_flops = new * rows * (2 * layers * _layer_params(spec, t) + head) + 4 * rows * attended * hd / t * layers  # head: FLOPs per token
+    decoded = rows * work.response_mean  # tokens a replica decodes: Σ_r ℓ_r
+    # row r's step s attends over P + s cached tokens: Σ_r Σ_{s<ℓ_r} (P + s) = Σ_r P·ℓ_r + ℓ_r(ℓ_r − 1)/2
+    attended = rows * (work.prompt * work.response_mean + (work.sq_mean - work.response_mean) / 2)
+    decode_flops = decoded * (2 * layers * _layer_params(spec, t) + head) + 4 * attended * hd / t * layers  # head: FLOPs per token
     f["gemm"] = (2 * prefill_tokens * layers * _layer_params(spec, t) + decode_flops) / flops
-    # every step reads the rank's weights and the KV cache so far; the prefill's activations
+    # every step reads the rank's weights, and each row its KV cache so far; the prefill's activations
     kv = np.where(spec.num_kv_heads % t == 0, spec.num_kv_heads // t, 1) * spec.dim_head
     weights = c.elements(spec).max(axis=1)[c.layout] * itemsize(spec.dtype)
-    cache = rows * attended * 2 * kv * size * layers
-    traffic = 2 * (prefill_tokens + new * rows) * layers * activation_bytes(spec, t, spec.dtype, train=False)
+    cache = attended * 2 * kv * size * layers
+    traffic = 2 * (prefill_tokens + decoded) * layers * activation_bytes(spec, t, spec.dtype, train=False)
     f["memory"] = (new * weights + cache + traffic) / (where.profile.memory_bandwidth * where.profile.share(busy))
     f["ops"] = (layers * OPS_PER_LAYER + OPS_HEAD) * dispatch
     f["decode"] = new * (layers * OPS_PER_LAYER + OPS_SAMPLE) * dispatch
@@ -377,8 +381,8 @@ def _gen_features(spec, work: Workload, where: Placement, c: Candidates, links, 
     # the last position's logits gathered over the vocabulary ((t−1)/t of [rows, V] received)
     bandwidth, latency = links.tp
     # (uneven shards: DTensor's gather pads each to the largest, ceil(V/t) columns)
-    per_step = (2 * layers + 1) * _ring(rows * h * size, t) + _ring(rows * vocab_shard_rows(spec.vocab_size, t) * t * size, t) / 2
-    f["comm_tp"] = ((2 * layers + 1) * _ring(prefill_tokens * h * size, t) + new * per_step) / bandwidth
+    per_token = (2 * layers + 1) * _ring(h * size, t) + _ring(vocab_shard_rows(spec.vocab_size, t) * t * size, t) / 2
+    f["comm_tp"] = ((2 * layers + 1) * _ring(prefill_tokens * h * size, t) + decoded * per_token) / bandwidth
     f["comm_latency"] = (1 + new) * ((2 * layers + 1) * _hops(t, 2) + _hops(t, 1)) * latency
     zero = np.zeros(len(c))
     f["collective"] = zero + _gather(where, work.batch * work.width * 16)  # tokens, masks, log-probs of every row

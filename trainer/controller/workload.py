@@ -2,15 +2,17 @@
 
 A step samples ``batch`` responses (prompts × samples per prompt), ``prompt`` tokens each,
 and the batch is as wide as its longest response (``response_max``: the trainer trims the
-padding columns no response reached), ``response_mean`` tokens long on average. Training
-runs ``epochs`` passes over mini-batches of ``minibatch`` rows.
+padding columns no response reached), ``response_mean`` tokens long on average, with mean
+square ``response_sq_mean`` (what decoding through a KV cache costs: a row of ℓ tokens
+attends over Σ_s (P + s) ≈ P·ℓ + ℓ²/2 cached tokens, and a stopped row leaves the batch).
+Training runs ``epochs`` passes over mini-batches of ``minibatch`` rows.
 
 ``Workload.from_config`` is the planner's view before any step (responses as long as
 ``rollout.max_new_tokens``, or, at a given step of a length curriculum, as that step's cap);
 ``Workload.observed`` the controller's, from recorded steps:
 the last step's lengths, extrapolated by their recent trend (a robust slope over the last 30
 steps) and capped by the config, so that a plan is chosen for the steps about to run, not the
-one just done.
+one just done; the mean square keeps the last step's shape (``sq_shape``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,22 @@ class Workload:
     epochs: int
     prompt_mean: float | None = None
     """Real prompt tokens of a row on average (None: ``prompt``, every prompt as long as the longest)."""
+    response_sq_mean: float | None = None
+    """E[ℓ²] of a response's length ℓ (None: unknown, priced at its bound ``response_mean ·
+    response_max``, which is ``response_max²`` when every row is as long as the longest)."""
+
+    @property
+    def sq_mean(self) -> float:
+        """E[ℓ²]: measured, or its upper bound from the mean and the longest (ℓ ≤ M: ℓ² ≤ M·ℓ)."""
+        bound = self.response_mean * self.response_max
+        return bound if self.response_sq_mean is None else min(self.response_sq_mean, bound)
+
+    @property
+    def sq_shape(self) -> float:
+        """E[ℓ²] ÷ (mean · longest), in (0, 1]: how much of the longest row's decoding the
+        other rows share (1: every row as long as the longest)."""
+        bound = self.response_mean * self.response_max
+        return self.sq_mean / bound if bound > 0 else 1.0
 
     @property
     def width(self) -> int:
@@ -67,16 +85,18 @@ class Workload:
             response_mean=float(longest), minibatch=hp.minibatch_size, epochs=hp.epochs,
         )
 
-    def at(self, response_max: int, response_mean: float | None = None) -> Workload:
-        return replace(self, response_max=int(response_max), response_mean=float(response_mean or response_max))
+    def at(self, response_max: int, response_mean: float | None = None, response_sq_mean: float | None = None) -> Workload:
+        return replace(self, response_max=int(response_max), response_mean=float(response_mean or response_max),
+                       response_sq_mean=None if response_sq_mean is None else float(response_sq_mean))
 
     @classmethod
-    def observed(cls, cfg: JobConfig, lengths: Sequence[tuple[int, float]], *, window: int = TREND_WINDOW, ahead: int = 1,
+    def observed(cls, cfg: JobConfig, lengths: Sequence[tuple], *, window: int = TREND_WINDOW, ahead: int = 1,
                  prompt_mean: float | None = None) -> Workload:
-        """The workload ``ahead`` steps on from the ``(response_max, response_mean)`` of the
-        steps so far (oldest first): the last one plus ``ahead`` times its growth per step, the
-        robust slope of the last ``window`` steps (``trend``), never below the last, never above
-        ``rollout.max_new_tokens``; before any step, the first step's (``from_config``).
+        """The workload ``ahead`` steps on from the ``(response_max, response_mean[,
+        response_sq_mean])`` of the steps so far (oldest first): the last one plus ``ahead``
+        times its growth per step, the robust slope of the last ``window`` steps (``trend``),
+        never below the last, never above ``rollout.max_new_tokens``; the mean square at the
+        last step's ``sq_shape``; before any step, the first step's (``from_config``).
         ``prompt_mean``: the prompts' mean real tokens seen (None: the longest prompt's).
 
         A one-step jump J of the last longest response moves the forecast by J (the last step
@@ -87,11 +107,13 @@ class Workload:
         if not lengths:
             return replace(cls.from_config(cfg, step=0), prompt_mean=prompt_mean)
         recent = list(lengths[-window:])
-        last_max, last_mean = recent[-1]
+        last_max, last_mean = recent[-1][:2]
         cap = cfg.rollout.max_new_tokens
-        longest = last_max + ahead * trend([m for m, _ in recent])
-        mean = last_mean + ahead * trend([m for _, m in recent])
-        return base.at(min(cap, round(longest)), min(float(cap), mean))
+        longest = min(cap, round(last_max + ahead * trend([m[0] for m in recent])))
+        mean = min(float(cap), last_mean + ahead * trend([m[1] for m in recent]), float(longest))
+        sq = recent[-1][2] if len(recent[-1]) > 2 else None
+        shape = base.at(last_max, last_mean, sq).sq_shape
+        return base.at(longest, mean, None if sq is None else shape * mean * longest)
 
 
 def trend(values: Sequence[float]) -> float:

@@ -389,11 +389,12 @@ class Trainer:
 
 def _length_summary(batch: dict) -> dict:
     """The step's prompt width and response length distribution (its mean is the step's
-    ``response_length``)."""
+    ``response_length``; the mean square prices decoding: ``controller.workload``)."""
     lengths = batch["response_mask"].sum(1).float()
     q = torch.quantile(lengths, torch.tensor([0.5, 0.9]))
     return {"prompt": int(batch["prompt_width"][0]), "response_min": float(lengths.min()),
             "response_p50": float(q[0]), "response_p90": float(q[1]), "response_max": float(lengths.max()),
+            "response_sq_mean": float((lengths * lengths).mean()),
             "width": int(batch["input_ids"].shape[1])}
 
 

@@ -82,6 +82,7 @@ from ..controller.transition import move_order
 from ..controller.workload import Workload
 from .inputs import SimulateError
 from .traces import TraceStep
+from .world.shapes import response_sq_mean
 
 ORACLE_SET = 32
 """The oracle's candidate set, at most (its transitions: ORACLE_SET² per world)."""
@@ -90,9 +91,11 @@ LENGTHS = (0.25, 0.5, 0.75, 1.0)
 
 
 def workload(cfg: JobConfig, t: TraceStep, prompt_mean: float | None = None) -> Workload:
-    """The controller's Workload of trace step ``t`` (what its search plans for)."""
+    """The controller's Workload of trace step ``t`` (what its search plans for), with the
+    mean square its rows measure on the world (``shapes.response_sq_mean``)."""
     pm = t.prompt_mean if t.prompt_mean is not None else prompt_mean
-    return dataclasses.replace(Workload.from_config(cfg).at(t.response_max, t.response_mean), prompt_mean=pm)
+    sq = float(response_sq_mean(t.response_max, t.response_mean))
+    return dataclasses.replace(Workload.from_config(cfg).at(t.response_max, t.response_mean, sq), prompt_mean=pm)
 
 
 def explicit(plan: PlanConfig, nproc: int) -> PlanConfig:

@@ -48,3 +48,44 @@ def test_only_the_last_window_of_steps_sets_the_trend():
     old = [(100 + 50 * i, 50.0 + 25 * i) for i in range(40)]
     flat = [(old[-1][0], old[-1][1])] * TREND_WINDOW
     assert Workload.observed(CFG, old + flat, ahead=8).response_max == old[-1][0]
+
+
+def test_the_forecast_keeps_the_last_steps_length_shape():
+    """With the rows' mean square measured, the forecast prices the coming step at the last
+    step's shape E[ℓ²] ÷ (mean · longest); without it, at its bound mean · longest."""
+    steps = [(1000 + 20 * i, 500.0 + 10 * i, 0.6 * (500.0 + 10 * i) * (1000 + 20 * i)) for i in range(12)]
+    work = Workload.observed(CFG, steps, ahead=8)
+    assert (work.response_max, work.response_mean) == (1380, 690.0)
+    assert work.sq_mean == pytest.approx(0.6 * 690.0 * 1380) and work.sq_shape == pytest.approx(0.6)
+    bare = Workload.observed(CFG, [s[:2] for s in steps], ahead=8)
+    assert bare.response_sq_mean is None and bare.sq_mean == 690.0 * 1380 and bare.sq_shape == 1.0
+
+
+def test_generation_prices_each_row_for_its_own_length():
+    """Stopped rows leave the decoding batch (rollout/generator.py): a batch's decode FLOPs and
+    TP traffic are the mean, over its rows, of uniform batches each as long as one row (each
+    row costs what it would alone), while the per-step dispatch runs as many steps as the
+    longest row; a uniform batch prices as before the lengths had a shape."""
+    from nereus.trainer.config.names import ACTOR_GEN
+    from nereus.trainer.controller.candidates import kept_of
+    from nereus.trainer.controller.profiles import load_profile
+    from nereus.trainer.controller.steptime import Placement, candidate_features
+
+    cfg = load_config("configs/tiny_grpo.yaml", ["rollout.max_new_tokens=64", "model.max_seq_len=80"])
+    where = Placement(nproc=cfg.nproc, profile=load_profile("cpu"))
+    c = kept_of((cfg.plan.actor.gen,))
+    base = Workload.from_config(cfg)
+
+    def price(lengths):
+        mean, sq = sum(lengths) / len(lengths), sum(x * x for x in lengths) / len(lengths)
+        return candidate_features(cfg, ACTOR_GEN, c, base.at(max(lengths), mean, sq), where)
+
+    lengths = [3, 7, 7, 20, 64]
+    mixed = price(lengths)
+    alone = [price([x] * len(lengths)) for x in lengths]
+    for part in ("gemm", "comm_tp"):
+        assert mixed[part][0] == pytest.approx(sum(a[part][0] for a in alone) / len(lengths), rel=1e-12)
+    assert mixed["decode"][0] == alone[-1]["decode"][0] > alone[0]["decode"][0]
+    assert mixed["gemm"][0] < alone[-1]["gemm"][0]  # the static batch's price: every row to the longest
+    uniform = candidate_features(cfg, ACTOR_GEN, c, base.at(64, 64.0), where)
+    assert all(uniform[k][0] == pytest.approx(alone[-1][k][0], rel=1e-12) for k in uniform)

@@ -176,14 +176,17 @@ class Lengths:
 
     @property
     def beta(self) -> np.ndarray:
-        gap = np.maximum(self.response_max - self.response_mean, 1e-9)
-        return np.clip(self.response_mean / gap, 1e-6, 1e6)
+        return length_beta(self.response_max, self.response_mean)
+
+    @property
+    def response_sq_mean(self) -> np.ndarray:
+        return response_sq_mean(self.response_max, self.response_mean)
 
     @property
     def row_sq_mean(self) -> np.ndarray:
         """E[(prompt + ℓ)²] of a real row (prompts at their mean)."""
-        b, m, p = self.beta, self.response_max, self.prompt_mean
-        return p * p + 2 * p * self.response_mean + m * m * b / (b + 2)
+        p = self.prompt_mean
+        return p * p + 2 * p * self.response_mean + self.response_sq_mean
 
     @property
     def minibatches(self) -> int:
@@ -192,6 +195,18 @@ class Lengths:
     @property
     def train_rows(self) -> int:
         return min(self.minibatch, self.batch)
+
+
+def length_beta(longest, mean):
+    """β of the module docstring's S(s) = 1 − (s/M)^β: μ / (M − μ), clipped."""
+    gap = np.maximum(np.asarray(longest, dtype=float) - mean, 1e-9)
+    return np.clip(mean / gap, 1e-6, 1e6)
+
+
+def response_sq_mean(longest, mean):
+    """E[ℓ²] of a response of the step (what its rows measure): M²·β/(β + 2)."""
+    b, m = length_beta(longest, mean), np.asarray(longest, dtype=float)
+    return m * m * b / (b + 2)
 
 
 def job_prompt(cfg: JobConfig) -> int:

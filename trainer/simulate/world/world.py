@@ -283,7 +283,8 @@ class World:
             stages = {name: {"seconds": s, "rows": work.batch, "tokens": work.batch * work.width, "real_tokens": work.batch * work.row_mean,
                              "peak_bytes": peak} for name, s in secs.items()}
             metrics = {"step": t.step, "response_length": t.response_mean,
-                       "lengths": {"response_max": t.response_max, "response_mean": t.response_mean, "width": work.width},
+                       "lengths": {"response_max": t.response_max, "response_mean": t.response_mean, "width": work.width,
+                                   "response_sq_mean": float(lengths.response_sq_mean[0])},
                        "stages": stages, "step_seconds": sum(secs.values())}
             if want:
                 metrics["held_bytes"] = self.held(cfg)
