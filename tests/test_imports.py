@@ -3,7 +3,8 @@
 - no import circle: strongly connected components of grimp's module graph of ``nereus``
   (function-level imports count), a package dropped from its own children's circle, as the
   maintainers' own check outside the repository does (an ``__init__`` that re-exports its children);
-- no ``from X import _private`` across files of the package (an AST walk of every file);
+- no ``_private`` name taken across files of the package, by ``from X import _private`` or as
+  ``alias._private`` on an imported module (an AST walk of every file);
 - no ``torch.distributed`` in ``trainer/controller/`` and ``trainer/simulate/``, nor in any module
   they reach (``reshard/plan.py`` aside: it builds on DCP's planner classes; what it imports is
   checked): neither imported nor reached as ``torch.distributed…`` from a plain ``import torch``;
@@ -137,22 +138,6 @@ def resolve_from(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def private_crossings(files: Mapping[str, str]) -> list[str]:
-    """``file:line: from X import _name`` for every private name a file imports from another module of ``files``."""
-    out = []
-    for module, path in sorted(files.items()):
-        with open(path) as f:
-            tree = ast.parse(f.read(), path)
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            source = resolve_from(module, path.endswith("__init__.py"), node)
-            for alias in node.names:
-                if alias.name.startswith("_") and not alias.name.startswith("__") and source in files and source != module:
-                    out.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: from {source} import {alias.name}")
-    return out
-
-
 def dotted(node: ast.expr) -> str:
     """``a.b.c`` for a chain of attributes on a name, else ``""``."""
     parts = []
@@ -160,6 +145,42 @@ def dotted(node: ast.expr) -> str:
         parts.append(node.attr)
         node = node.value
     return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def private_crossings(files: Mapping[str, str]) -> list[str]:
+    """``file:line: …`` for every private name a file takes from another module of ``files``:
+    ``from X import _name``, and ``alias._name`` where ``alias`` is bound by an import to such a
+    module (``import nereus.x as m; m._name``, ``from nereus import x; x._name``,
+    ``import nereus.x; nereus.x._name``)."""
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    out = []
+    for module, path in sorted(files.items()):
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        where = os.path.relpath(path, ROOT)
+        bound: dict[str, str] = {}  # a name an import binds → the module it names
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom):
+                source = resolve_from(module, path.endswith("__init__.py"), node)
+                for alias in node.names:
+                    if f"{source}.{alias.name}" in files:
+                        bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+                    if private(alias.name) and source in files and source != module:
+                        out.append(f"{where}:{node.lineno}: from {source} import {alias.name}")
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and private(node.attr)):
+                continue
+            head, _, rest = dotted(node.value).partition(".")
+            target = ".".join(filter(None, [bound.get(head, ""), rest])) if head in bound else ""
+            if target in files and target != module:
+                out.append(f"{where}:{node.lineno}: {ast.unparse(node)} ({target}.{node.attr})")
+    return out
 
 
 def distributed_uses(files: Mapping[str, str]) -> list[str]:
@@ -273,13 +294,21 @@ def test_the_circle_check_names_a_circle_and_spares_a_re_exporting_init():
 
 
 def test_the_private_and_distributed_checks_find_their_imports(tmp_path):
-    (tmp_path / "a.py").write_text("def f():\n    from .b import _hidden, shown\n")
+    (tmp_path / "a.py").write_text(
+        "def f():\n    from .b import _hidden, shown\nimport pkg.b\nimport pkg.b as bee\nfrom pkg import b\nimport torch\n"
+        "def g():\n    return bee._one, b._two, pkg.b._three, b.shown, bee.__doc__, torch._C, bee.x._four\n"
+    )
     (tmp_path / "b.py").write_text(
         "from torch import distributed\nimport torch.distributed as dist\nfrom .b import _self\nimport torch\n"
         "def g():\n    return torch.distributed.get_rank() + torch.distributions.Normal + torch.distributed\n"
     )
     files = {"pkg.a": str(tmp_path / "a.py"), "pkg.b": str(tmp_path / "b.py")}
-    assert [c.split(": ", 1)[1] for c in private_crossings(files)] == ["from pkg.b import _hidden"]
+    assert [c.split(": ", 1)[1] for c in private_crossings(files)] == [
+        "from pkg.b import _hidden",
+        "bee._one (pkg.b._one)",
+        "b._two (pkg.b._two)",
+        "pkg.b._three (pkg.b._three)",
+    ]
     assert [c.split(":", 1)[1] for c in distributed_uses(files)] == [
         "1: from torch import distributed",
         "2: import torch.distributed as dist",
