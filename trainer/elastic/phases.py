@@ -17,7 +17,10 @@ A transition on cue: ``NEREUS_FORCE_PLAN=STEP:JSON`` (e.g. ``4:{"actor": {"train
 moves the job, after step ``STEP``, to its plan with ``JSON``'s keys set, by the same
 ``apply_plan`` the controller's decisions take (``runtime/worker.py``), so that a fault tool has
 a transition that moves state at a known step (a controller's moves depend on what it
-measures). Unset, it costs one dict lookup per process.
+measures). A schedule of moves is ``;``-separated, steps rising:
+``STEP1:JSON1;STEP2:JSON2;...`` (``tools/bench_controller.py`` interleaves the layouts it
+calibrates on inside one job); each move's keys are set on the plan the job runs then. Unset,
+it costs one dict lookup per process.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import time
 
 PHASE_LOG_ENV = "NEREUS_PHASE_LOG"
 FORCE_PLAN_ENV = "NEREUS_FORCE_PLAN"
+_JSON = json.JSONDecoder()
 _PATH: list = []  # [path or None], read from the environment once
-_FORCED: list = []  # [(step, overrides) or None]
+_FORCED: list = []  # [{step: overrides}]
 
 
 def _path() -> str | None:
@@ -56,27 +60,46 @@ def mark(phase: str, edge: str, step: int | None = None, rank: int | None = None
         pass  # a mark never stops the job
 
 
-def parse_forced(text: str | None) -> tuple[int, dict] | None:
-    """``STEP:JSON`` -> (step, plan overrides) (pure); None when unset. ValueError naming
-    the variable when malformed."""
-    if not text:
-        return None
-    step, sep, rest = text.partition(":")
-    try:
-        overrides = json.loads(rest)
-        if not sep or not isinstance(overrides, dict):
-            raise ValueError("not STEP:{...}")
-        return int(step), overrides
-    except ValueError as e:
-        raise ValueError(f"{FORCE_PLAN_ENV}={text!r}: expected STEP:JSON, e.g. 4:{{\"actor\": {{\"train\": {{\"tp\": 2}}}}}} ({e})") from None
+def parse_forced(text: str | None) -> dict[int, dict]:
+    """``STEP:JSON[;STEP:JSON...]`` -> {step: plan overrides} (pure); {} when unset.
+    ValueError naming the variable and the culprit entry when malformed, or when the steps
+    do not rise."""
+    out: dict[int, dict] = {}
+    rest = (text or "").strip()
+    while rest:
+        step, sep, after = rest.partition(":")
+        entry = rest[:80]
+        try:
+            if not sep:
+                raise ValueError("not STEP:{...}")
+            overrides, end = _JSON.raw_decode(after.lstrip())
+            after = after.lstrip()[end:].lstrip()
+            entry = rest[:len(rest) - len(after)].rstrip()
+            if not isinstance(overrides, dict) or (after and not after.startswith(";")):
+                raise ValueError("not STEP:{...}")
+            at = int(step)
+            if at < 1:
+                raise ValueError(f"step {at}: moves come after a step >= 1")
+            if out and at <= max(out):
+                raise ValueError(f"step {at} after step {max(out)}: the steps must rise")
+        except ValueError as e:
+            raise ValueError(f"{FORCE_PLAN_ENV}: {entry!r}: expected STEP:JSON[;STEP:JSON...], "
+                             f"e.g. 4:{{\"actor\": {{\"train\": {{\"tp\": 2}}}}}} ({e})") from None
+        out[at] = overrides
+        rest = after[1:].strip()
+    return out
 
 
 def forced_plan(step: int) -> dict | None:
     """The plan overrides to move to after ``step`` (``NEREUS_FORCE_PLAN``), else None."""
     if not _FORCED:
         _FORCED.append(parse_forced(os.environ.get(FORCE_PLAN_ENV)))
-    forced = _FORCED[0]
-    return forced[1] if forced is not None and forced[0] == step else None
+    return _FORCED[0].get(step)
+
+
+def format_forced(schedule: dict[int, dict]) -> str:
+    """{step: overrides} as ``NEREUS_FORCE_PLAN``'s value (``parse_forced``'s inverse; pure)."""
+    return ";".join(f"{step}:{json.dumps(overrides, separators=(',', ':'))}" for step, overrides in sorted(schedule.items()))
 
 
 def merge_plan(plan: dict, overrides: dict) -> dict:

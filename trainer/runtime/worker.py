@@ -193,11 +193,14 @@ class _Loop:
     def step(self) -> dict:
         """One step and what follows it: validation, the metrics, the controller, the state kept."""
         from ..elastic.phases import forced_plan, mark
+        from ..metrics.probes import gather_probes, probes_on, run_probes
 
         trainer, cfg = self.trainer, self.trainer.cfg
         mark("step", "start", trainer.step + 1, trainer.rank)  # phase marks: NEREUS_PHASE_LOG only (tools/bench_faults.py)
         metrics = gather_rank_figures(trainer.run_step())
         mark("step", "end", trainer.step, trainer.rank)
+        if probes_on():  # NEREUS_PROBES only: the machine's load at this step (tools/bench_controller.py)
+            metrics["probes"] = gather_probes(run_probes())
         every = cfg.validation.every
         if every and (trainer.step % every == 0 or trainer.step == cfg.steps):
             metrics.update(trainer.validate())
@@ -214,7 +217,7 @@ class _Loop:
         if self.control is not None:  # the last step is observed too, and decides nothing
             self.control.after_step(metrics, decide=trainer.step < cfg.steps)
         forced = forced_plan(trainer.step) if trainer.step < cfg.steps else None
-        if forced is not None:  # NEREUS_FORCE_PLAN only (tools/bench_faults.py)
+        if forced is not None:  # NEREUS_FORCE_PLAN only (tools/bench_faults.py, bench_controller.py)
             self.force(forced)
         self.keep_state()
         return metrics
