@@ -45,7 +45,9 @@ the launcher's ``<pid>.<8 hex>``, and the launcher holds ``LOCK_EX`` on a sentin
 ``nereus-<tag>.<key>.launcher`` in ``/dev/shm`` for its life (``hold_sentinel``; unlinked at
 exit). Every later launch on the same run dir, on one node or several, removes what a killed one
 left on its node: the semaphores and sentinel of every key whose sentinel is unlocked, and
-unlocked temporary sentinels (``remove_stale_semaphores``). Liveness is the lock, never the pid:
+unlocked temporary sentinels (``remove_stale_semaphores``); so does every launch as it ends (a
+node's launcher SIGKILLed on this host while the job went on, which no later launch may follow).
+Liveness is the lock, never the pid:
 a ``/dev/shm`` shared across pid namespaces (containers run ``--ipc=host``) holds other namespaces' launchers, whose pids mean
 nothing here. Files without a sentinel (an older Nereus's ``sem.nereus-<tag>-XXXX`` and
 ``sem.nereus-<tag>.<pid>-XXXX``) go only under the run dir's lock, on one node. Under torchrun
@@ -365,6 +367,13 @@ def launcher_sentinels(tag: str, shm: str = SHM) -> list[str]:
     return _mine(glob.glob(os.path.join(shm, f"nereus-{tag}.*.launcher")))
 
 
+def launch_files(tag: str, shm: str = SHM) -> list[str]:
+    """Every file of launches tagged ``tag`` in ``shm`` that this user owns, live launches' too:
+    semaphores, sentinels and temporary sentinels (what a leak check counts)."""
+    tmps = _mine(glob.glob(os.path.join(shm, f"nereus-{tag}.*.launcher.tmp")))
+    return sorted(stale_semaphores(tag, shm) + launcher_sentinels(tag, shm) + tmps)
+
+
 SENTINEL_TMP_AGE_S = 10.0
 """A sentinel's temporary file younger than this is never removed (``hold_sentinel`` locks and renames it at once)."""
 
@@ -518,6 +527,9 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, run_id: str = "
     finally:  # this launch's round must not reach what this process starts later
         for name in (RDZV_ROUND_ENV, LAUNCH_ID_ENV, LAUNCHER_ENV):
             os.environ.pop(name, None)
+        if shm_tag is not None:  # a launcher of this run SIGKILLed here meanwhile (a node that left): no later launch may come
+            with contextlib.suppress(OSError):
+                remove_stale_semaphores(shm_tag)
 
 
 def own_result(results: dict[int, Any]) -> Any:

@@ -116,6 +116,10 @@ def test_a_node_that_joins_and_a_node_that_leaves_resize_the_job_and_lose_no_com
     joined, left = (worlds.index(2) + 1, len(worlds) - worlds[::-1].index(2))  # the first and the last step on 2 ranks
     assert (restores[0]["step"], restores[1]["step"]) == (joined - 1, left)  # each world went on from the last committed step
     assert CheckpointStore(str(run_dir / "checkpoints")).steps()[-1] == steps
+    from nereus.launch import launch_files
+    from nereus.trainer.elastic.run_token import run_id
+
+    assert launch_files(run_id(str(run_dir))) == []  # B's semaphores and sentinel went when A's launch ended
 
 
 @pytest.mark.slow

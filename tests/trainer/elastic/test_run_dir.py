@@ -354,6 +354,38 @@ def test_the_agents_semaphores_carry_the_run_and_a_later_launch_removes_a_killed
         os.close(holder)
 
 
+def test_a_launch_that_ends_removes_what_a_launcher_of_its_run_killed_meanwhile_left(monkeypatch):
+    """A node's launcher SIGKILLed while the job went on (a node that left, on this host) left
+    its semaphores and sentinel; no later launch of the run may come, so the surviving launch
+    removes them as it ends — a live launcher's (its sentinel locked) stay, and so do its files
+    (``launch_files`` lists them all)."""
+    import fcntl
+
+    from nereus import launch
+    from nereus.launch import drop_sentinels, hold_sentinel, launch_files, launch_local, sentinel_path
+
+    tag = f"test{os.getpid()}end"
+    dead, live = "1.0000dead", "2.0000a11e"  # their pids mean nothing: another pid namespace's, say
+    names = [f"sem.nereus-{tag}.{dead}-abcd1234", f"sem.nereus-{tag}.{live}-abcd1234"]
+    for k in (dead, live):
+        open(sentinel_path(tag, k), "w").close()
+    for name in names:
+        open(os.path.join(launch.SHM, name), "w").close()
+    holder = os.open(sentinel_path(tag, live), os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # a live launcher of the run on this host
+    monkeypatch.setattr(launch, "elastic_launch", lambda config, fn: lambda *args: {0: fn(*args)})  # no agent: its end only
+    try:
+        assert launch_local(str, 1, 7, shm_tag=tag) == {0: "7"}
+        left = sorted(os.path.basename(p) for p in launch_files(tag))
+        assert left == sorted([f"sem.nereus-{tag}.{live}-abcd1234", f"nereus-{tag}.{live}.launcher",
+                               f"nereus-{tag}.{hold_sentinel(tag)}.launcher"])  # this process's own, until it exits
+    finally:
+        os.close(holder)
+        drop_sentinels()
+        for p in launch_files(tag):
+            os.unlink(p)
+
+
 def _cli(*args, log=None, env=None) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "from nereus.cli.app import main; main()", *args]
     return subprocess.Popen(cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=log is None,
