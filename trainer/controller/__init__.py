@@ -8,7 +8,8 @@
 - ``transition`` the cost of moving state between two plans (reshard's estimator and graph)
 - ``search``     the best plans under the memory budget: frontier per model-stage, combined
 - ``admission``  when to replan and whether a better plan pays for its transition
-- ``classes``    the memory classes of ranks, and the offset fitted per class
+- ``classes``    the memory classes of ranks, and the offset fitted per class (``fit_memory``)
+- ``evidence``   what was measured of the step time, kept for the fits (``SampleRows``)
 - ``online``     the live controller: observe → decide, with its logs
 - ``report``     what ``nereus plan`` prints: the search's plans as a table or JSON
 

@@ -18,6 +18,11 @@ from ..config import StageConfig
 from ..config.names import is_train
 
 
+MEMORY_STEPS = 12
+"""Steps of a rank class's measured peaks the memory fit keeps (``fit_memory``: the largest
+correction of them), each its worst rank's."""
+
+
 def layout_kind(sc: StageConfig) -> str:
     """What a training layout adds that the memory model may miss: FSDP2's buffers, TP's and
     PP's communication buffers, recompute's and packing's temporaries (``MemoryFit``
@@ -36,7 +41,7 @@ def rank_class(stages) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryFit:
-    """The memory model's correction, fitted to measured peaks (``online.fit_memory``): a
+    """The memory model's correction, fitted to measured peaks (``fit_memory``): a
     rank of class ``c`` (``rank_class``) peaks at ``resident + transient + offsets[c]``. A
     class the job has not run yet gets the largest offset measured plus ``unseen`` of the
     model's own figure: its buffers are unknown until it runs. Before any step: the model."""
@@ -142,3 +147,19 @@ class _Terms:
         if got is None:
             got = self.known[i] = self.classes.fit.terms(self.classes.registry.names[i])
         return got
+
+
+def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY_STEPS, unseen: float = 0.25) -> MemoryFit:
+    """The memory model's correction from (class, resident, transient, measured) samples: per
+    class of training layouts, ``offset`` = the largest (measured − predicted) of its
+    ``recent`` latest samples (the controller's: a step's worst rank each) — what the model
+    does not count (allocator slack, libraries, communication buffers) — never below 0;
+    ``unseen`` for the classes not run yet. No per-term scales: a process's resident memory
+    cannot tell weights from activations. A class left long ago keeps its offset: what it
+    stands for does not grow with the lengths (the model counts the activations at the
+    width priced), and a part of it that does (an allocator's slack on larger blocks) is
+    what the search's 10% headroom is for."""
+    by_class: dict[str, list[float]] = {}
+    for cls, r, t, m in samples:
+        by_class.setdefault(cls, []).append(float(m - r - t))
+    return MemoryFit(offsets={c: max(0.0, max(v[-recent:])) for c, v in by_class.items()}, unseen=unseen)

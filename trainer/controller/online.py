@@ -41,7 +41,8 @@ from ..config.names import INFER, SYNC, piece_stage
 from .admission import Decision, DriftWatch, admit, difference_spread
 from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
-from .classes import MemoryFit, rank_class
+from .classes import MEMORY_STEPS, MemoryFit, fit_memory, rank_class
+from .evidence import SampleRows
 from .search import PlanChoice, device_budget, plan_seconds, search
 from .steptime import OP_CLASSES, Placement, StepTimeModel, stage_features, sync_features
 from .transition import TransitionModel, profile_links, transition_peak
@@ -50,9 +51,6 @@ from .workload import Workload
 
 MIN_BAND = 0.05
 """The smallest error band used, however well the step-time model has fitted so far."""
-MEMORY_STEPS = 12
-"""Steps of a rank class's measured peaks the memory fit keeps (``fit_memory``: the largest
-correction of them), each its worst rank's."""
 UNSEEN_MARGIN = 0.25
 """A class of training layouts (``classes.rank_class``) the job has not run yet is priced at
 the largest correction measured plus this share of the model's peak: FSDP2's, TP's and PP's
@@ -514,51 +512,6 @@ class Controller:
             f.write(json.dumps(line, default=_json) + "\n")
 
 
-class SampleRows:
-    """The rows ``f / t`` that ``StepTimeModel.calibrate`` builds from a bounded deque of
-    (features, seconds) samples, kept as the deque keeps its samples (the same bound, the
-    same order; samples with t ≤ 0 held but left out): a refit after every step then costs
-    no rebuild of 4,000 rows of dicts. ``matrix()`` equals ``calibrate``'s own rows."""
-
-    def __init__(self, maxlen: int) -> None:
-        self.maxlen, self.count = maxlen, 0
-        self.rows = np.zeros((maxlen, len(OP_CLASSES)))
-        self.valid = np.zeros(maxlen, dtype=bool)
-
-    def append(self, features, seconds: float) -> None:
-        i = self.count % self.maxlen
-        self.valid[i] = seconds > 0
-        if seconds > 0:
-            self.rows[i] = [features.get(k, 0.0) / seconds for k in OP_CLASSES]
-        self.count += 1
-
-    def state_dict(self) -> dict:
-        """The kept rows, oldest first (JSON)."""
-        order = self._order()
-        return {"count": self.count, "rows": self.rows[order].tolist(), "valid": self.valid[order].tolist()}
-
-    def load_state_dict(self, state: dict) -> None:
-        rows, valid = np.asarray(state["rows"], dtype=np.float64).reshape(-1, len(OP_CLASSES)), np.asarray(state["valid"], dtype=bool)
-        if len(rows) != len(valid) or len(rows) > self.maxlen:
-            raise ValueError(f"controller state: {len(rows)} step-time rows and {len(valid)} flags for at most {self.maxlen}")
-        self.rows[:], self.valid[:] = 0.0, False
-        self.rows[: len(rows)], self.valid[: len(rows)] = rows, valid
-        self.count = len(rows)  # the oldest kept row at 0: matrix() gives them in the same order
-
-    def _order(self) -> np.ndarray:
-        if self.count <= self.maxlen:
-            return np.arange(self.count)
-        start = self.count % self.maxlen  # the oldest kept sample
-        return np.r_[start:self.maxlen, 0:start]
-
-    def matrix(self) -> np.ndarray:
-        if self.count <= self.maxlen:
-            return self.rows[: self.count][self.valid[: self.count]]
-        start = self.count % self.maxlen  # the oldest kept sample
-        order = np.r_[start:self.maxlen, 0:start]
-        return self.rows[order][self.valid[order]]
-
-
 def _json(x):
     if isinstance(x, (np.floating, np.integer)):
         return x.item()
@@ -571,19 +524,3 @@ def _rank_terms(plan: PlanConfig, stages: list) -> tuple[int, int, str]:
     resident = sum(s.resident for s in stages)
     transient = max((s.transient for s in stages), default=0)
     return resident, transient, rank_class((s.stage, configs[s.stage]) for s in stages)
-
-
-def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY_STEPS, unseen: float = 0.25) -> MemoryFit:
-    """The memory model's correction from (class, resident, transient, measured) samples: per
-    class of training layouts, ``offset`` = the largest (measured − predicted) of its
-    ``recent`` latest samples (the controller's: a step's worst rank each) — what the model
-    does not count (allocator slack, libraries, communication buffers) — never below 0;
-    ``unseen`` for the classes not run yet. No per-term scales: a process's resident memory
-    cannot tell weights from activations. A class left long ago keeps its offset: what it
-    stands for does not grow with the lengths (the model counts the activations at the
-    width priced), and a part of it that does (an allocator's slack on larger blocks) is
-    what the search's 10% headroom is for."""
-    by_class: dict[str, list[float]] = {}
-    for cls, r, t, m in samples:
-        by_class.setdefault(cls, []).append(float(m - r - t))
-    return MemoryFit(offsets={c: max(0.0, max(v[-recent:])) for c, v in by_class.items()}, unseen=unseen)

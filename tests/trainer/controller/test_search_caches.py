@@ -17,7 +17,7 @@ from nereus.trainer.controller import classes as ranks_classes
 from nereus.trainer.controller import search as searching
 from nereus.trainer.controller.candidates import Candidates, kept_of
 from nereus.trainer.controller.memory import candidate_memory, distinct_ranks, pipeline_memory
-from nereus.trainer.controller.online import SampleRows
+from nereus.trainer.controller.evidence import SampleRows
 from nereus.trainer.controller.profiles import load_profile
 from nereus.trainer.controller.classes import ClassRegistry, MemoryFit
 from nereus.trainer.controller.search import _extend, _Partial, _prune, search, stage_candidates
@@ -123,7 +123,8 @@ def test_the_controller_keeps_each_classes_worst_rank_per_step_and_forgets_no_cl
     """Per step and rank class the record keeps the rank whose peak exceeds the model most
     (the fit's offset is that maximum); a class run once and then left for many steps of
     many ranks is still known (it was forgotten by a record of the last 400 ranks)."""
-    from nereus.trainer.controller.online import MEMORY_STEPS, Controller, fit_memory
+    from nereus.trainer.controller.classes import fit_memory
+    from nereus.trainer.controller.online import MEMORY_STEPS, Controller
 
     cfg = _job()  # actor.train in two pipeline stages: one class, two groups of ranks that hold unlike
     sc = cfg.plan.actor.train
