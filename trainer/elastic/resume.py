@@ -5,7 +5,9 @@ checkpoint (a controller may have changed it since the config was written):
 ``resumed_plan``. ``nereus resume RUN_DIR [--nproc N] [--set ...]`` continues it on any
 number of processes: ``resume_config`` rebuilds the job from the run's resolved config
 (``RUN_DIR/config.json``, written first at every start; without it the store's job
-record, ``trainer/elastic/job_record.py``, which every start updates too), and
+record, ``trainer/elastic/job_record.py``, which every start updates too), and — the
+checkpoint being the latest durable one, else (a job killed before its first) the newest
+staged copy of the run on this node, which the workers check like any other —
 
 - with ``--set plan...``: the checkpoint's plan with those keys changed, validated;
 - else, if the checkpoint's plan runs on N ranks: that plan;
@@ -36,6 +38,24 @@ def _saved_plan(run_dir: str) -> Mapping | None:
 
     store = CheckpointStore(os.path.join(run_dir, "checkpoints"))
     return store.manifest().plan if store.steps() else None
+
+
+def _staged_plan(cfg: JobConfig) -> Mapping | None:
+    """The plan of this run's newest staged copy on this node (None: none, or a staging dir
+    ``check_staging_dir`` refuses: the workers then say why). Reads only; its seal, lineage
+    and bytes are checked by the workers' restore, which refuses it with the reason."""
+    from nereus.store.checkpoint import CheckpointStore
+
+    from .staging import check_staging_dir, staging_root
+
+    root = staging_root(cfg)
+    if check_staging_dir(root) or not os.path.isdir(os.path.join(root, "meta")):  # opening a store would create one
+        return None
+    try:
+        store = CheckpointStore(root)
+        return store.manifest().plan if store.steps() else None
+    except Exception:  # noqa: BLE001 - unreadable: not a source here; the workers name why
+        return None
 
 
 def _job_config(run_dir: str) -> dict | None:
@@ -93,18 +113,24 @@ def resume_config(run_dir: str, *, nproc: int | None = None, overrides: Sequence
         data = _job_config(run_dir)
         if data is None:
             raise FileNotFoundError(f"{run_dir}: no config.json, so no `nereus train` run to resume here")
-    saved = _saved_plan(run_dir)
+    saved, whose = _saved_plan(run_dir), "checkpoint"
+    if saved is None:  # killed before its first durable checkpoint: this node's staged copy, if it holds one
+        staging = [o for o in overrides if o.partition("=")[0].strip().startswith("elastic.")]
+        try:
+            saved, whose = _staged_plan(load_config(data, [*staging, f"run_dir={run_dir}"])), "staged copy"
+        except ConfigError:  # no run's config: no staged copy of it either
+            pass
     if saved is None:
-        raise FileNotFoundError(f"{run_dir}: no committed checkpoint to resume from")
+        raise FileNotFoundError(f"{run_dir}: no committed checkpoint to resume from (nor a staged copy of this run on this node)")
     data = {**data, "plan": dict(saved)}
     given = [o for o in overrides if o.partition("=")[0].strip().startswith("plan.")]
     over = [*overrides, f"run_dir={run_dir}", *([f"nproc={nproc}"] if nproc is not None else [])]
     n = nproc if nproc is not None else int(data.get("nproc", 1))
     if given:
-        return load_config(data, over), "the checkpoint's plan with " + ", ".join(o.partition("=")[0] for o in given)
+        return load_config(data, over), f"the {whose}'s plan with " + ", ".join(o.partition("=")[0] for o in given)
     if runs_on(build_tree(PlanConfig, saved, "plan."), n):
-        return load_config(data, over), f"the checkpoint's plan (it runs on {n} ranks)"
-    return load_config({**data, "plan": "auto"}, over), f"planned for {n} ranks by the controller (the checkpoint's plan needs another world)"
+        return load_config(data, over), f"the {whose}'s plan (it runs on {n} ranks)"
+    return load_config({**data, "plan": "auto"}, over), f"planned for {n} ranks by the controller (the {whose}'s plan needs another world)"
 
 
 def plan_for_start(cfg: JobConfig, saved: Mapping | None, world: int) -> tuple[JobConfig, str]:

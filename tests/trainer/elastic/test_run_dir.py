@@ -451,14 +451,15 @@ def test_a_second_train_on_a_run_dir_fails_at_once_naming_the_first_which_comple
 @pytest.mark.timeout(300)
 def test_a_sigkilled_run_leaves_its_shm_files_and_the_resume_removes_them(tmp_path):
     """The whole job (launcher, its resource tracker, workers) SIGKILLed once a staged step
-    is committed: its semaphores and staging dir stay in /dev/shm, its lock names a dead pid.
-    `nereus resume` takes the lock over (its line), removes the semaphores, restores the staged
-    step, finishes; then nothing of the job is left in /dev/shm, and each step is logged once."""
+    is committed, before its first durable checkpoint: its semaphores and staging dir stay in
+    /dev/shm, its lock names a dead pid. `nereus resume` takes the lock over (its line), removes
+    the semaphores, restores the staged step (no committed step is lost for want of a durable
+    one), finishes; then nothing of the job is left in /dev/shm, and each step is logged once."""
     run_dir, steps = tmp_path / "run", 6
     before = _shm()
     log = open(tmp_path / "train.log", "w")
     phases = tmp_path / "phases.jsonl"  # the staged copy's commit is marked there (trainer/elastic/phases.py)
-    job = _cli(*_train_args(run_dir, steps, "checkpoint_every=2"), "--max-restarts", "1", log=log,
+    job = _cli(*_train_args(run_dir, steps, "checkpoint_every=100"), "--max-restarts", "1", log=log,
                env={**os.environ, "NEREUS_PHASE_LOG": str(phases)})
     try:
         deadline = time.monotonic() + 150
@@ -476,6 +477,9 @@ def test_a_sigkilled_run_leaves_its_shm_files_and_the_resume_removes_them(tmp_pa
             os.killpg(job.pid, signal.SIGKILL)
         log.close()
     assert killed_at < steps, (tmp_path / "train.log").read_text()[-3000:]
+    from nereus.store.checkpoint import CheckpointStore
+
+    assert CheckpointStore(str(run_dir / "checkpoints")).steps() == []  # only the staged copy holds the steps run
     left = _shm_of(run_dir)
     from nereus.trainer.elastic.run_token import staging_id
 
@@ -486,6 +490,7 @@ def test_a_sigkilled_run_leaves_its_shm_files_and_the_resume_removes_them(tmp_pa
     assert f"took over the stale lock of run dir {run_dir} (pid {job.pid} on host" in resumed.stderr
     restores = [json.loads(line) for line in (run_dir / "restores.jsonl").read_text().splitlines()]
     assert restores[-1]["source"] == "staged" and restores[-1]["step"] >= 3, restores
+    assert "in the staged copy's plan" in resumed.stdout, resumed.stdout
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
     assert _leaked(before, run_dir) == []
 
