@@ -9,10 +9,12 @@ generation and the reference in tp2), 8 steps, durable checkpoints at steps 3 an
 last, staging on (``--max-restarts 3``), ``elastic.collective_timeout_s`` 30 (its floor), and
 one live transition of actor.train (dp2·FSDP -> tp2, moving parameters and AdamW state
 between the ranks) after step 4 (``NEREUS_FORCE_PLAN``: the controller's own moves depend on
-what it measures, and a state-moving one cannot be had on cue). Every kill lands after the
-first durable checkpoint (step 3): ``nereus resume`` starts from a durable checkpoint (then
-prefers the node's newer staged copy), so a whole job killed before its first one is
-started again, not resumed.
+what it measures, and a state-moving one cannot be had on cue). A kill lands at a random step
+of the phase's (``cue``): a worker's from step 1 on (its restart restores nothing when nothing
+is committed yet), the whole job's or its launcher's from step 3 on, once a staged copy is
+committed (``nereus resume`` restores the newest durable checkpoint or the node's newer staged
+copy, or the staged copy alone before the first durable one); a job killed earlier has nothing
+to resume and is started again.
 
 Landing a kill inside a phase: every worker marks the edges of its phases
 (``NEREUS_PHASE_LOG``, ``trainer/elastic/phases.py``: step, save, stage, transition,
@@ -33,18 +35,24 @@ was not marked before the signal.
 
 Per trial: the job completed to its last step (``completed``); ``dup``: steps logged more
 than once in metrics.jsonl; ``lost``: the newest step committed when the signal hit (durable
-or staged, read from the stores right after) minus the step the job restored (> 0: a
-committed step lost); ``recomputed``: the newest step logged before the signal minus the
-restored step (bar <= 1 with staging on); ``diff``: the largest |difference| of any actor
+or staged, read from the stores right after, and again once the signalled job's workers are
+all gone: a survivor may commit after the signal) minus the step the job restored (> 0: a
+committed step lost); ``recomputed``: the newest step logged by then minus the restored step
+(bar <= 1 with staging on); ``diff``: the largest |difference| of any actor
 parameter in the final checkpoint against the unkilled run's (the same plans at the same
 steps: 0 expected; the layout-invariance band of tests/trainer/runtime/test_layout_invariance.py,
-float32 reduction order, otherwise); ``shm``: files of the job left in /dev/shm afterwards
-(its staging dir, its agents' ``sem.nereus-<run id>-*`` semaphores); ``detect_s`` (hang):
-SIGSTOP -> the restarted workers' restore began (bar: collective_timeout_s + 30).
+float32 reduction order, otherwise; a completed job not compared fails the bar); ``shm``:
+files of the job left in /dev/shm afterwards (its staging dir, its launchers' semaphores
+``sem.nereus-<run id>.<key>-*`` and sentinels ``nereus-<run id>.<key>.launcher[.tmp]``);
+``detect_s`` (hang): SIGSTOP -> the restarted workers' first mark (their restore, or step 1
+when nothing was committed) (bar: collective_timeout_s + 30). A trial that went wrong
+(``error``: the fault missed its phase, the signalled workers never went, no restore was
+recorded) fails ``trial_errors``.
 
 Prints a table per phase, writes ``--out``, and ends with one JSON line: trials,
-jobs_completed, steps_duplicated, committed_steps_lost, max_steps_recomputed, hang_detect_s,
-final_weights_max_diff, shm_leaked_files, launcher_kill_overlap, launcher_resumes_refused.
+trials_landed, trial_errors, weights_compared, jobs_completed, steps_duplicated,
+committed_steps_lost, max_steps_recomputed, hang_detect_s, final_weights_max_diff,
+shm_leaked_files, launcher_kill_overlap, launcher_resumes_refused.
 """
 
 from __future__ import annotations
@@ -189,11 +197,13 @@ def staged_dir(job: Job) -> str:
     return os.path.join(job.staging, f"nereus-{staging_id(str(job.run))}")
 
 
-def shm_left(job: Job) -> list[str]:
-    from nereus.launch import stale_semaphores
+def shm_left(job: Job, shm: str = "/dev/shm") -> list[str]:
+    """The job's files in ``shm``: its launchers' semaphores, sentinels and temporary sentinels
+    (``launch_files``), and its staging dir."""
+    from nereus.launch import launch_files
     from nereus.trainer.elastic.run_token import run_id
 
-    left = stale_semaphores(run_id(str(job.run)))
+    left = launch_files(run_id(str(job.run)), shm)
     return left + ([staged_dir(job)] if os.path.lexists(staged_dir(job)) else [])
 
 
@@ -237,21 +247,35 @@ def reference(base: Path) -> dict:
             "shm": shm_left(job)}
 
 
+RESUMABLE = 3
+"""From step 3's start on a committed state exists (step 1's staged copy commits before step 2's
+staging starts), so `nereus resume` has one to restore after a whole job is killed (a job killed
+earlier is started again, not resumed), and a restart has one to restore (the ``resume`` phase
+kills inside that restore)."""
+
+
 def cue(phase: str, target: str, rng: random.Random) -> tuple[str, int | None]:
-    """The phase whose start is waited for and at which step (None: the first)."""
+    """The phase whose start is waited for and at which step: any step of the job where that
+    phase runs and the target can come back from (a worker's restart also from nothing)."""
+    low = RESUMABLE if target != "worker" or phase == "resume" else 1
     if phase in ("step", "hang", "resume"):
-        return "step", rng.randint(TRANSITION_AFTER + 1, 2 * DURABLE)  # a durable checkpoint exists: `nereus resume` runs
+        return "step", rng.randint(low, STEPS)
     if phase == "save":
-        return "save", 2 * DURABLE if target == "job" else rng.choice([DURABLE, 2 * DURABLE])
+        return "save", rng.choice([DURABLE, 2 * DURABLE, STEPS])
     if phase == "stage":
-        return "stage", rng.randint(TRANSITION_AFTER + 1, 2 * DURABLE)
+        return "stage", rng.randint(max(1, low - 1), STEPS - 1)  # no staging after the last step
     return "transition", TRANSITION_AFTER
 
 
 def strike(job: Job, proc: subprocess.Popen, mark: dict, window: float, target: str, rng: random.Random,
-           sig=signal.SIGKILL) -> dict:
-    """Sleep a random part of ``window`` after ``mark``, then signal the job or its worker."""
+           sig=signal.SIGKILL, deadline: float | None = None) -> dict:
+    """Sleep a random part of ``window`` after ``mark``, then signal the job or its worker.
+    ``logged`` and ``committed`` are read again once the job's workers of the time are gone
+    (``deadline`` bounds the wait; the ``launcher`` target reads them in ``resume_after_launcher``):
+    a survivor may still log a step or commit a staged copy after the signal, and a step committed
+    then and not restored is lost too."""
     time.sleep(max(0.0, mark["t"] + rng.uniform(0.0, window) - time.time()))
+    workers = running({m["pid"] for m in job.read()} | children(proc.pid))  # a worker yet to mark too
     before = metrics(job.run)
     if target == "job":
         kill_group(proc)
@@ -263,38 +287,86 @@ def strike(job: Job, proc: subprocess.Popen, mark: dict, window: float, target: 
     t = time.time()
     ended = any(m["phase"] == mark["phase"] and m["step"] == mark["step"] and m["pid"] == mark["pid"] and m["edge"] == "end"
                 and m["t"] < t for m in job.read())
-    return {"t": t, "landed": not ended, "logged": max((r["step"] for r in before), default=0), "committed": committed(job)}
+    hit = {"t": t, "landed": not ended, "logged": newest_logged(before), "committed": committed(job), "workers": workers}
+    if target != "launcher":
+        hit["gone"] = wait_gone(workers, deadline if deadline is not None else time.monotonic() + TIMEOUT_S + 60)
+        hit = settled(hit, newest_logged(metrics(job.run)), committed(job))
+    return hit
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie its new parent has not reaped yet does not)."""
+def newest_logged(rows: list[dict]) -> int:
+    return max((r["step"] for r in rows), default=0)
+
+
+def settled(hit: dict, logged: int, committed_now: int | None) -> dict:
+    """``hit`` with what was logged and committed read again once the signalled workers are
+    gone: the newest of either reading (pure)."""
+    seen = [c for c in (hit["committed"], committed_now) if c is not None]
+    return {**hit, "logged": max(hit["logged"], logged), "committed": max(seen) if seen else None}
+
+
+def start_time(pid: int) -> str | None:
+    """A running process's start time (``/proc/PID/stat``), which tells it from a later process
+    given its pid; None when it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            fields = f.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
-def resume_after_launcher(job: Job, old: set[int], killed_t: float, deadline: float) -> tuple[subprocess.Popen, dict]:
+def children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (a launcher's workers, its resource tracker)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def running(pids) -> dict[int, str]:
+    """Those of ``pids`` that run, with their start times."""
+    return {p: s for p in pids if (s := start_time(p)) is not None}
+
+
+def wait_gone(procs: dict[int, str], deadline: float) -> bool:
+    """Wait until none of ``procs`` (``running``'s) runs, or ``deadline``; whether they went."""
+    while any(start_time(p) == s for p, s in procs.items()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def resume_after_launcher(job: Job, old: dict[int, str], hit: dict, deadline: float) -> tuple[subprocess.Popen, dict]:
     """After the launcher alone was SIGKILLed: ``nereus resume`` at once, again every 0.5 s
     while it is refused because the dead launcher's workers still run. ``overlap``: how many
-    of those workers were alive when the resumed job's first restore began (bar 0: the new
-    run never shares the run dir with them); ``orphans_s``: kill -> the last of them gone."""
-    refused, gone_s = 0, None
+    of those workers (``running``'s) were alive when the resumed job's first restore began (bar
+    0: the new run never shares the run dir with them); ``orphans_s``: kill -> the last of them
+    gone, when ``logged`` and ``committed`` are read again (``settled``)."""
+    refused, gone_s, late = 0, None, {}
     while True:
         proc = job.start(resume=True)
         while proc.poll() is None and time.monotonic() < deadline:
-            alive = [p for p in old if pid_alive(p)]
+            alive = [p for p, s in old.items() if start_time(p) == s]
             if not alive and gone_s is None:
-                gone_s = time.time() - killed_t
+                gone_s = time.time() - hit["t"]
+                late = {k: v for k, v in settled(hit, newest_logged(metrics(job.run)), committed(job)).items()
+                        if k in ("logged", "committed")}
             if any(m["pid"] not in old and m["phase"] == "restore" for m in job.read()):
-                return proc, {"refused": refused, "overlap": len(alive), "orphans_s": gone_s}
+                return proc, {"refused": refused, "overlap": len(alive), "orphans_s": gone_s, **late}
             time.sleep(0.005)
         if proc.poll() == 2 and REFUSED in job.last_log() and time.monotonic() < deadline:
             refused += 1
             time.sleep(0.5)
             continue
-        return proc, {"refused": refused, "overlap": None, "orphans_s": gone_s}
+        return proc, {"refused": refused, "overlap": None, "orphans_s": gone_s, **late}
 
 
 def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: random.Random) -> dict:
@@ -313,14 +385,15 @@ def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: rando
     else:
         window = 0.8 * ref["durations"].get(f"{wait_phase}/{rank}", 0.05)
         if phase == "hang":
-            hit = strike(job, proc, mark, window, "worker", rng, signal.SIGSTOP)
-            old = {m["pid"] for m in job.read()}
-            back = job.wait_mark(lambda m: m["pid"] not in old and m["phase"] == "restore", proc, deadline)
+            hit = strike(job, proc, mark, window, "worker", rng, signal.SIGSTOP, deadline)
+            old = set(hit["workers"])  # marked before the signal, or the launcher's children then
+            back = job.wait_mark(lambda m: m["pid"] not in old, proc, deadline)  # its restore, or step 1 from nothing
             out["detect_s"] = (back["t"] - hit["t"]) if back else None
             if back is None:
                 os.kill(mark["pid"], signal.SIGCONT)
         else:
-            hit = strike(job, proc, mark, window, target, rng)
+            old = running({m["pid"] for m in job.read()} | children(proc.pid))  # the launcher target's workers
+            hit = strike(job, proc, mark, window, target, rng, deadline=deadline)
             if phase == "resume":  # the second kill, inside the restore the first one caused
                 seen = {m["pid"] for m in job.read()}
                 proc = job.start(resume=True) if target == "job" else proc
@@ -329,13 +402,15 @@ def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: rando
                 if again is None:
                     out["error"] = "never saw the restore start"
                 else:
-                    second = strike(job, proc, again, 0.8 * ref.get("restore_s", 0.3), target, rng)
+                    second = strike(job, proc, again, 0.8 * ref.get("restore_s", 0.3), target, rng, deadline=deadline)
                     hit = {**hit, "landed": second["landed"]}
         out.update(landed=hit["landed"], logged=hit["logged"], committed=hit["committed"])
+        if hit.get("gone") is False:
+            out["error"] = "the signalled job's workers did not go"
         if target == "job" and phase != "hang":
             proc = job.start(resume=True)
         elif target == "launcher":
-            proc, after = resume_after_launcher(job, {m["pid"] for m in job.read()}, hit["t"], deadline)
+            proc, after = resume_after_launcher(job, old, hit, deadline)
             out.update(after)
     rc = finish(job, proc, deadline)
     rows = metrics(job.run)
@@ -345,6 +420,8 @@ def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: rando
     restored = min((r["step"] for r in restores), default=None) if restores else None
     out.update(rc=rc, completed=rc == 0 and steps[-1:] == [STEPS], dup=len(steps) - len(set(steps)),
                missing=sorted(set(range(1, STEPS + 1)) - set(steps)), restores=[(r["source"], r["step"]) for r in restores])
+    if "committed" in out and restored is None and "error" not in out:
+        out["error"] = "no restore was recorded"
     if "committed" in out and restored is not None:
         out["lost"] = max(0, (out["committed"] or 0) - restored)
         out["recomputed"] = max(0, out["logged"] - restored)
@@ -384,6 +461,7 @@ WEIGHTS_BAND = 1e-5
 
 
 def summary(results: list[dict]) -> dict:
+    """The last line's figures over every trial (pure)."""
     diffs = [r["diff"] for r in results if r.get("diff") is not None]
     detects = [r["detect_s"] for r in results if r.get("detect_s") is not None]
     hangs = [r for r in results if r["phase"] == "hang"]
@@ -391,6 +469,8 @@ def summary(results: list[dict]) -> dict:
     return {
         "trials": len(results),
         "trials_landed": sum(bool(r.get("landed")) for r in results),
+        "trial_errors": sum("error" in r for r in results),
+        "weights_compared": len(diffs),
         "jobs_completed": sum(r["completed"] for r in results),
         "steps_duplicated": sum(r["dup"] for r in results),
         "committed_steps_lost": sum(r.get("lost", 0) for r in results),
@@ -404,6 +484,22 @@ def summary(results: list[dict]) -> dict:
                                   sum(r["overlap"] for r in launched)) if launched else None,
         "launcher_resumes_refused": sum(r.get("refused", 0) for r in launched),
     }
+
+
+def bars(out: dict, results: list[dict]) -> dict[str, bool]:
+    """Each bar of ``summary``'s figures, passed or not (pure). None is never a pass: a hang
+    never detected, a completed job whose end weights were not compared, a trial that went
+    wrong (``error``: a fault that missed its phase, workers that never went, no restore)."""
+    return {"steps_duplicated": out["steps_duplicated"] == 0, "committed_steps_lost": out["committed_steps_lost"] == 0,
+            "max_steps_recomputed": out["max_steps_recomputed"] <= 1, "shm_leaked_files": out["shm_leaked_files"] == 0,
+            "jobs_completed": out["jobs_completed"] == out["trials"],
+            "trials_landed": out["trials_landed"] == out["trials"],  # a fault that missed its phase is no trial
+            "trial_errors": out["trial_errors"] == 0,
+            "final_weights_max_diff": out["final_weights_max_diff"] is not None and out["final_weights_max_diff"] <= WEIGHTS_BAND
+            and out["weights_compared"] == out["jobs_completed"],
+            "hang_detect_s": not any(r["phase"] == "hang" for r in results)
+            or (out["hang_detect_s"] is not None and out["hang_detect_s"] <= TIMEOUT_S + 30),
+            "launcher_kill_overlap": not any(r["target"] == "launcher" for r in results) or out["launcher_kill_overlap"] == 0}
 
 
 def main() -> None:
@@ -439,20 +535,12 @@ def main() -> None:
                       + (f" error={r['error']}" if "error" in r else ""), flush=True)
     table(results)
     out = summary(results)
-    bars = {"steps_duplicated": out["steps_duplicated"] == 0, "committed_steps_lost": out["committed_steps_lost"] == 0,
-            "max_steps_recomputed": out["max_steps_recomputed"] <= 1, "shm_leaked_files": out["shm_leaked_files"] == 0,
-            "jobs_completed": out["jobs_completed"] == out["trials"],
-            "trials_landed": out["trials_landed"] == out["trials"],  # a fault that missed its phase is no trial
-            "final_weights_max_diff": out["final_weights_max_diff"] is not None and out["final_weights_max_diff"] <= WEIGHTS_BAND,
-            # a hang trial that was never detected fails: None is not a pass
-            "hang_detect_s": not any(r["phase"] == "hang" for r in results)
-            or (out["hang_detect_s"] is not None and out["hang_detect_s"] <= TIMEOUT_S + 30),
-            "launcher_kill_overlap": not any(r["target"] == "launcher" for r in results) or out["launcher_kill_overlap"] == 0}
+    passed = bars(out, results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"summary": out, "bars": bars, "collective_timeout_s": TIMEOUT_S,
+    Path(args.out).write_text(json.dumps({"summary": out, "bars": passed, "collective_timeout_s": TIMEOUT_S,
                                           "wall_s": time.monotonic() - t0, "trials": results,
                                           "reference": {"durations": ref["durations"], "wall_s": ref["wall_s"]}}, indent=1))
-    verdicts = ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in bars.items())
+    verdicts = ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in passed.items())
     print(f"\nbars: {verdicts}; {time.monotonic() - t0:.0f}s; {args.out}")
     shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(out))
