@@ -84,11 +84,6 @@ class StreamStats:
     """Seconds of this rank's own work by phase: validate (incl. the agreement), alloc,
     pack, post, copy (local), staged, wait, unpack, checksum — where the wall time went."""
 
-    def link_samples(self, cost) -> list[tuple[str, int, float]]:
-        """``(link class, bytes, seconds)`` per received message, for ``links.calibrate``
-        (``cost`` is the graph's ``LinkCost``, which knows ranks per node)."""
-        return [(cost.link(s.src, s.dst), s.nbytes, s.seconds) for s in self.samples]
-
 
 class StagingArena:
     """One reusable uint8 staging tensor, carved per round at ALIGN-byte offsets.

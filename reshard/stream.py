@@ -35,7 +35,9 @@ from a buffer; ``device=`` overrides. Buffers on another device are a verdict er
 The result is a :class:`StreamResult`: the dict ``buffer name -> tensor`` of this rank's
 target buffers, with ``.stats`` (:class:`StreamStats`): bytes by kind, seconds by phase,
 and one :class:`MessageSample` per received message (link, bytes, seconds of service on
-that link); ``stats.link_samples(cost)`` feeds ``links.calibrate`` for the alpha-beta model.
+that link). The trainer hands a sample of them, ``(src, dst, bytes, seconds)``, to the
+controller (``trainer/runtime/transition.measured_messages``), which refits the alpha-beta
+link model on them (``links.calibrate``).
 """
 
 from __future__ import annotations

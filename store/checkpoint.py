@@ -38,7 +38,6 @@ import base64
 import os
 import time
 import uuid
-import zlib
 from typing import Iterable, Mapping, MutableMapping, Sequence
 
 import fsspec
@@ -112,24 +111,14 @@ def checkpoint_layouts(emus: Sequence[EMU]) -> dict[str, TensorLayout]:
 
 
 def rng_state() -> dict:
-    """This process's RNG states (CPU, and every CUDA device when present), base64."""
+    """This process's RNG states (CPU, and every CUDA device when present), base64: a record
+    (``nereus inspect`` counts them), which nothing restores. The trainer draws nothing from
+    the global generators: each of its draws has a generator seeded by what it is about
+    (trainer/seeds.py), so a resumed job draws what the uninterrupted one draws."""
     state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
     return state
-
-
-def restore_rng(manifest: Manifest, rank: int, world_size: int) -> bool:
-    """Restore ``rank``'s RNG states when the job resumes at the saved world size (True);
-    otherwise seed from (step, rank) deterministically (False): streams cannot be split."""
-    if len(manifest.rng) == world_size and manifest.rng[rank]:
-        state = manifest.rng[rank]
-        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cpu"])), dtype=torch.uint8))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]])
-        return True
-    torch.manual_seed(zlib.crc32(f"{manifest.step}/{rank}".encode()))
-    return False
 
 
 class CheckpointStore:

@@ -93,8 +93,8 @@ class Manifest:
     ``emus``: the layouts the state was saved from (any layout loads from them).
     ``state``: JSON-able job state — data position, controller state, ... .
     ``rng``: per-rank RNG states of the saving job (``{"cpu": base64, "cuda": [base64]}``,
-    by process-group rank); a job resumed on a different number of ranks reseeds
-    (see ``checkpoint.restore_rng``). ``aux``: the directory's other files (``AuxFile``).
+    by process-group rank), a record that nothing restores (``checkpoint.rng_state``: the
+    trainer seeds each draw from what it is about). ``aux``: the directory's other files (``AuxFile``).
     """
 
     step: int

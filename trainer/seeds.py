@@ -18,11 +18,11 @@ every trained number, and tests pin them.
 - the validation set's sample of ``validation.max_prompts`` prompts draws from the job's seed
   itself (``data/prompts.py``).
 
-Two seeds live outside the trainer, which they cannot import: ``store.checkpoint.restore_rng``
-seeds torch's global generator from (step, rank) when a job resumes on another number of
-processes (the saved per-rank streams cannot be split; the draws above each use a generator of
-their own), and ``reshard.reference`` seeds the reference tensors of the resharding tests and
-benchmarks by (name, seed).
+Every draw above uses a generator of its own, never torch's global one, so a resumed job
+draws what the uninterrupted one draws without restoring any generator state (a checkpoint
+records each rank's global RNG states, ``store.checkpoint.rng_state``, and nothing restores
+them). One seed lives outside the trainer, which it cannot import: ``reshard.reference``
+seeds the reference tensors of the resharding tests and benchmarks by (name, seed).
 """
 
 from __future__ import annotations

@@ -308,21 +308,6 @@ def test_a_rank_verifies_and_reads_only_the_blocks_it_needs(tmp_path):
         load_checkpoint(root, dst, 1)
 
 
-def test_rng_states_restore_at_the_same_world_size(tmp_path):
-    from nereus.store.checkpoint import restore_rng
-
-    root = str(tmp_path / "ck")
-    torch.manual_seed(1234)
-    saved_single(root, 3, emus_of())
-    expected = torch.rand(4)
-    manifest = CheckpointStore(root).manifest()
-    assert restore_rng(manifest, 0, 1) and torch.equal(torch.rand(4), expected)
-    assert not restore_rng(manifest, 1, 2)  # another world size: reseeded from (step, rank)
-    first = torch.rand(4)
-    restore_rng(manifest, 1, 2)
-    assert torch.equal(torch.rand(4), first)
-
-
 def test_an_object_store_load_reads_each_needed_byte_once(tmp_path, monkeypatch):
     """On memory:// (an object store's code path: ranged reads, no memory map), a rank reads
     the checksum blocks covering its regions once — verified on those bytes, then copied."""
