@@ -10,6 +10,7 @@
 - ``admission``  when to replan and whether a better plan pays for its transition
 - ``classes``    the memory classes of ranks, and the offset fitted per class (``fit_memory``)
 - ``evidence``   what was measured of the step time, kept for the fits (``SampleRows``)
+- ``pieces``     a step's measured pieces as the models see them (features, owner), plans as keys
 - ``online``     the live controller: observe → decide, with its logs
 - ``report``     what ``nereus plan`` prints: the search's plans as a table or JSON
 

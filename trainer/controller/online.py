@@ -37,15 +37,15 @@ from dataclasses import asdict
 import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
-from ..config.names import INFER, SYNC, piece_stage
 from .admission import Decision, DriftWatch, admit, difference_spread
 from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
 from .classes import MEMORY_STEPS, MemoryFit, fit_memory, rank_class
 from .evidence import SampleRows
 from .search import PlanChoice, device_budget, plan_seconds, search
-from .steptime import OP_CLASSES, Placement, StepTimeModel, stage_features, sync_features
+from .steptime import OP_CLASSES, Placement, StepTimeModel
 from .transition import TransitionModel, profile_links, transition_peak
+from .pieces import observed_prompt_mean, piece_features, piece_owner, plan_key, plan_key_of
 from .workload import Workload
 
 
@@ -57,48 +57,6 @@ the largest correction measured plus this share of the model's peak: FSDP2's, TP
 buffers are what the model counts least well (on CPU FSDP2 measured ~20% over it). Fixed,
 not learned: an entry into one class says little of the next (a TP class that needed 2%
 says nothing of FSDP2's 20%), and an underestimate is an out-of-memory step."""
-
-
-def piece_features(cfg: JobConfig, name: str, work: Workload, where: Placement) -> dict[str, float] | None:
-    """The step-time features of one measured piece of a step (``trainer/metrics/meters.py``'s
-    names): a model-stage, a model-stage's forward by a training layout
-    (``<model>.train.infer``), or a weight sync (``sync.<destination>``); None for the
-    step's bookkeeping (advantages, the finiteness check), which is not planned."""
-    stages = cfg.plan.stages()
-    key = piece_stage(name)
-    if name.startswith(SYNC):
-        return sync_features(cfg, key, stages[key], where) if key in stages else None
-    if key != name:  # a training layout's own forward
-        return stage_features(cfg, key, stages[key], work, where, mode=INFER)
-    if name in stages:
-        return stage_features(cfg, name, stages[name], work, where)
-    return None
-
-
-def piece_owner(name: str, stages) -> str:
-    """The model-stage a measured piece belongs to (``search.stage_seconds``' sum): a weight
-    sync ``sync.<key>`` and a training stage's own forward ``<key>.infer`` to ``<key>``, where
-    ``<key>`` is in ``stages``; else the piece's own name."""
-    key = piece_stage(name)
-    return key if key in stages else name
-
-
-def observed_prompt_mean(metrics: dict) -> float | None:
-    """A step's real prompt tokens per row on average: a model-stage's real tokens per row
-    (``real_tokens`` / ``rows``, what packing runs on) less the mean response length; None
-    when the step's records do not count real tokens."""
-    for record in metrics["stages"].values():
-        if record.get("real_tokens") and record.get("rows"):
-            return max(0.0, record["real_tokens"] / record["rows"] - float(metrics["response_length"]))
-    return None
-
-
-def plan_key(plan: PlanConfig) -> str:
-    return plan_key_of(config_to_dict(plan))
-
-
-def plan_key_of(plan: dict) -> str:
-    return json.dumps(plan, sort_keys=True)
 
 
 class Controller:

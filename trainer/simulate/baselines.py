@@ -76,7 +76,7 @@ import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, StageConfig
 from ..config.names import is_train, split_key
-from ..controller.online import plan_key
+from ..controller.pieces import plan_key
 from ..controller.search import search, stage_candidates
 from ..controller.transition import move_order
 from ..controller.workload import Workload

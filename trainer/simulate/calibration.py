@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..controller.online import piece_features
+from ..controller.pieces import piece_features
 from ..controller.steptime import Placement, StepTimeModel
 from . import baselines as B
 from .inputs import load_cluster, load_job, load_world

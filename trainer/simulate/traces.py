@@ -249,7 +249,7 @@ def run_records(run_dir: str) -> tuple[dict, list[dict]]:
 
 def from_run(run_dir: str) -> list[TraceStep]:
     """The lengths a real run recorded, step by step, on the world it ran on."""
-    from ..controller.online import observed_prompt_mean
+    from ..controller.pieces import observed_prompt_mean
 
     data, lines = run_records(run_dir)
     return [TraceStep(step=int(m["step"]), devices=int(data.get("nproc", 1)), response_max=int(m["lengths"]["response_max"]),

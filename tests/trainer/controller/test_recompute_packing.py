@@ -190,7 +190,7 @@ def test_the_urgent_path_tries_recompute_before_giving_up():
 def test_the_controller_reads_the_mean_real_row_from_the_stages_real_tokens():
     """Packing is priced on real tokens: the step's records count them (``real_tokens`` per
     ``rows``); less the mean response, that is the mean prompt the coming workload carries."""
-    from nereus.trainer.controller.online import observed_prompt_mean
+    from nereus.trainer.controller.pieces import observed_prompt_mean
 
     cfg = long_job()
     metrics = {"step": 1, "response_length": 100.0, "lengths": {"response_max": 400, "width": 405, "prompt": 5},

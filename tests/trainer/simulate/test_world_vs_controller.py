@@ -11,7 +11,7 @@ residual would be 0.
 
 import numpy as np
 import pytest
-from nereus.trainer.controller.online import piece_features
+from nereus.trainer.controller.pieces import piece_features
 from nereus.trainer.controller.steptime import (
     OP_CLASSES,
     Placement,
