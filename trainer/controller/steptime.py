@@ -28,9 +28,11 @@ with ``f_k`` (``OP_CLASSES``):
   embedding, o_proj, down_proj; backward: the inputs of q, k, v, gate, up and the head;
   vocab-parallel log-probs two more), PP's point-to-point messages, DP's gradient all-reduce,
   FSDP2's all-gathers (every unit per micro-batch forward, the layers again backward) and
-  reduce-scatters (once per step), the gradient norm's all-reduce: per call its hops (ring:
-  2(n−1), gather or scatter: n−1, point to point: 1) × the link's latency — one class for
-  all, so a layout's collectives are priced by what the job's other layouts measured;
+  reduce-scatters (once per step), the gradient norm's all-reduce: per call its hops (gather
+  or scatter: n−1, point to point: 1) × the link's latency, an all-reduce NCCL's cheaper
+  algorithm for its small messages — a ring over the slowest link, 2(n−1) hops, or a tree
+  across the nodes after a chain within each (``_links``) — one class for all, so a layout's
+  collectives are priced by what the job's other layouts measured;
 - ``comm_tp``, ``comm_pp``, ``comm_dp``: the bytes of those collectives ÷ the link's
   bandwidth (ring all-reduce: 2(t−1)/t of them);
 - ``optimizer``: AdamW's memory traffic (θ, g and both moments read and written);
@@ -118,20 +120,42 @@ def _hops(ranks, per: int):
     return np.where(ranks < 2, 0, per * (ranks - 1))
 
 
-def _links(profile: DeviceProfile, c: Candidates, nproc: int, size: np.ndarray, stride: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(bandwidth, latency) per layout of ``c`` of its first group of ``size`` ranks ``stride``
-    apart in its rank order (TP: stride 1; PP: tp; DP: tp·pp): ``local`` for one rank,
-    ``intra`` when the group's first and last rank share a node (ranks fill nodes in order),
-    else ``inter``."""
-    node = np.zeros(len(c.layouts), dtype=bool)
+def _links(profile: DeviceProfile, c: Candidates, nproc: int, size: np.ndarray, stride: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bandwidth, latency, all-reduce latency) per layout of ``c`` of its first group of
+    ``size`` ranks ``stride`` apart in its rank order (TP: stride 1; PP: tp; DP: tp·pp):
+    ``local`` for one rank, ``intra`` when the group's ranks share a node (ranks fill nodes in
+    order), else ``inter``; the all-reduce's latency per call is NCCL's cheaper algorithm for
+    a small message: a ring over the slowest link, 2(n−1) hops, or a tree across the k nodes
+    the group spans after a chain within each (g ranks on a node): 2(g−1) intra hops and
+    2⌈log₂ k⌉ inter ones."""
+    span = np.zeros(len(c.layouts), dtype=np.int64)  # k: nodes the group spans
+    per = np.ones(len(c.layouts), dtype=np.int64)  # g: its ranks on its fullest node
     held = [sc.ranks for sc in c.layouts]
-    for ranks in {id(r): r for r in held}.values():  # the search's layouts share one tuple
-        at = np.array([r is ranks for r in held])
-        order = np.asarray(ranks) if ranks is not None else np.arange(nproc)
-        node[at] = order[0] // profile.devices_per_node == order[(size[at] - 1) * stride[at]] // profile.devices_per_node
+    spans: dict = {}
+    for i, (ranks, n, step) in enumerate(zip(held, size.tolist(), stride.tolist())):
+        key = (id(ranks), n, step)
+        if key not in spans:
+            order = np.asarray(ranks) if ranks is not None else np.arange(nproc)
+            nodes = order[np.arange(n) * step] // profile.devices_per_node
+            spans[key] = (len(np.unique(nodes)), int(np.bincount(nodes - nodes.min()).max()))
+        span[i], per[i] = spans[key]
     links = [profile.links[k] for k in ("local", "intra", "inter")]
-    which = np.where(size < 2, 0, np.where(node, 1, 2))
-    return np.array([x.bandwidth for x in links])[which], np.array([x.latency for x in links])[which]
+    which = np.where(size < 2, 0, np.where(span < 2, 1, 2))
+    bandwidth, latency = np.array([x.bandwidth for x in links])[which], np.array([x.latency for x in links])[which]
+    tree = 2 * (per - 1) * links[1].latency + 2 * np.ceil(np.log2(np.maximum(span, 1))) * links[2].latency
+    reduce = np.where(size < 2, 0.0, np.minimum(_hops(size, 2) * latency, tree))
+    return bandwidth, latency, reduce
+
+
+def _reduce_latency(profile: DeviceProfile, ranks: int) -> float:
+    """``_links``' all-reduce latency per call over ``ranks`` ranks filling nodes in order."""
+    n, per_node = max(int(ranks), 1), profile.devices_per_node
+    if n < 2:
+        return 0.0
+    links, k = profile.links, -(-n // per_node)
+    ring = 2 * (n - 1) * links["intra" if k < 2 else "inter"].latency
+    tree = 2 * (min(n, per_node) - 1) * links["intra"].latency + 2 * math.ceil(math.log2(k)) * links["inter"].latency
+    return min(ring, tree)
 
 
 def _gather(where: Placement, nbytes: float) -> float:
@@ -164,19 +188,19 @@ def _layer_params(spec, tp):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Links:
-    """Per candidate: (bandwidth, latency) of its TP, PP and DP groups' links (``_links``)."""
+    """Per candidate: (bandwidth, latency, all-reduce latency per call) of its TP, PP and DP
+    groups' links (``_links``)."""
 
-    tp: tuple[np.ndarray, np.ndarray]
-    pp: tuple[np.ndarray, np.ndarray]
-    dp: tuple[np.ndarray, np.ndarray]
+    tp: tuple[np.ndarray, np.ndarray, np.ndarray]
+    pp: tuple[np.ndarray, np.ndarray, np.ndarray]
+    dp: tuple[np.ndarray, np.ndarray, np.ndarray]
 
     @classmethod
     def of(cls, c: Candidates, where: Placement) -> _Links:
         tp, pp, dp = (np.array([getattr(sc, k) for sc in c.layouts], dtype=np.int64) for k in ("tp", "pp", "dp"))
 
         def group(size, stride):
-            bandwidth, latency = _links(where.profile, c, where.nproc, size, stride)
-            return bandwidth[c.layout], latency[c.layout]
+            return tuple(x[c.layout] for x in _links(where.profile, c, where.nproc, size, stride))
 
         return cls(tp=group(tp, np.ones_like(tp)), pp=group(pp, tp), dp=group(dp, tp * pp))
 
@@ -248,7 +272,7 @@ def candidate_features(
     hidden = st.hidden
     reduces = calls * slots * (hidden + 2 * lm)
     f["comm_tp"] = calls * slots * hidden * _ring(tokens * h * size, t) / links.tp[0]
-    latency = reduces * st.tp_hops * links.tp[1]
+    latency = reduces * links.tp[2]
     # PP: activations forward, their gradients backward, point to point per micro-batch slot
     messages = calls * (slots * (2 if train else 1) + 2)  # + the schedule's shape exchange
     f["comm_pp"] = np.where(pp > 1, calls * slots * (2 if train else 1) * tokens * h * size / links.pp[0], 0.0)
@@ -256,14 +280,14 @@ def candidate_features(
     # DP. FSDP2: every unit (layers and the root) all-gathered per micro-batch forward, the
     # layers again in backward, reduce-scattered once (the last micro-batch syncs)
     full = st.full
-    bandwidth, dp_latency = links.dp
+    bandwidth, dp_latency, _ = links.dp
     gathers = slots * (2 * layers + 1 if train else layers + 1)
     scatters = st.scatters
     gathered = (slots * (2 if train else 1) * full * size + (full * 4 if train else 0)) * (dp - 1) / dp
     sharded_bytes, sharded_calls = calls * gathered / bandwidth, calls * (gathers + scatters) * st.dp_hops
-    replicated_bytes, replicated_calls = (st.replicated_bytes, st.replicated_calls) if train else (zero, zero)
+    replicated_bytes, replicated_latency = (st.replicated_bytes, st.replicated_latency) if train else (zero, zero)
     f["comm_dp"] = np.where(c.fsdp, sharded_bytes, replicated_bytes)
-    latency = latency + np.where(c.fsdp, sharded_calls, replicated_calls) * dp_latency
+    latency = latency + np.where(c.fsdp, sharded_calls * dp_latency, replicated_latency)
     if train:  # per optimizer step: the gradient norm's all-reduce over the stage, KV-head copies summed over TP
         latency = latency + st.norm_latency
         f["optimizer"] = st.optimizer
@@ -303,12 +327,11 @@ class _Static:
     step_plain: np.ndarray | None
     step_dtensor: np.ndarray | None
     hidden: np.ndarray
-    tp_hops: np.ndarray
     full: np.ndarray
     scatters: int
     dp_hops: np.ndarray
     replicated_bytes: np.ndarray | None
-    replicated_calls: np.ndarray | None
+    replicated_latency: np.ndarray | None
     norm_latency: np.ndarray | None
     optimizer: np.ndarray | None
 
@@ -329,7 +352,7 @@ class _Static:
         linear, attention = (2 * _layer_params(spec, by_tp))[c.layout], (4 * hd / by_tp)[c.layout]
         moved = (2 * activation_bytes(spec, by_tp, compute, train=True) + _gemm_bytes(spec, by_tp, size))[c.layout]
         ck = per_unique(lambda p, r: stage_layers(spec.num_layers, p, 0, RECOMPUTE[r])[1], pp, c.recompute) if train else np.zeros(len(c), np.int64)
-        clip_ops = step_plain = step_dtensor = replicated_bytes = replicated_calls = norm_latency = optimizer = None
+        clip_ops = step_plain = step_dtensor = replicated_bytes = replicated_latency = norm_latency = optimizer = None
         full = c.derived(("full", spec), lambda: c.per_layout(lambda sc: max(local_elements(spec, sc.tp, sc.pp))))
         if train:
             dtensor = (t > 1) | c.fsdp  # the parameters (and AdamW's state) are DTensors
@@ -337,18 +360,17 @@ class _Static:
             step = calls * tensors * (OPS_PER_TENSOR + 1)  # AdamW and zero_grad per parameter
             clip_ops, step_plain, step_dtensor = calls * tensors * CLIP_OPS, np.where(dtensor, 0, step), np.where(dtensor, step, 0)
             bandwidth = links.dp[0]
-            replicated_bytes, replicated_calls = calls * _ring(full * 4, dp) / bandwidth, calls * _hops(dp, 2)
-            world = profile.links["intra" if busy <= profile.devices_per_node else "inter"]
+            replicated_bytes, replicated_latency = calls * _ring(full * 4, dp) / bandwidth, calls * links.dp[2]
             kv_copies = spec.num_kv_heads % t != 0
-            norm_latency = calls * (_hops(busy, 2) * world.latency + np.where(kv_copies, _hops(t, 2) * links.tp[1], 0.0))
+            norm_latency = calls * (_reduce_latency(profile, busy) + np.where(kv_copies, links.tp[2], 0.0))
             local = c.elements(spec).max(axis=1)[c.layout]
             optimizer = calls * local * 4 * 4 / profile.memory_bandwidth / profile.share(busy)  # AdamW reads and writes θ, g, m, v
         return cls(rows=replicas, batching=FixedBatching.of(replicas, pp, c.micro_batch_size, c.micro_batch_tokens), layers=layers, head=head, linear=linear,
                    attention=attention, moved=moved, ck=ck, head_bytes=2 * _head_bytes(spec, t, compute), clip_ops=clip_ops,
                    step_plain=step_plain, step_dtensor=step_dtensor,
-                   hidden=1 + 2 * layers + (5 * layers + lm if train else 0) + 2 * ck, tp_hops=_hops(t, 2), full=full,
+                   hidden=1 + 2 * layers + (5 * layers + lm if train else 0) + 2 * ck, full=full,
                    scatters=layers + 1 if train else 0, dp_hops=_hops(dp, 1), replicated_bytes=replicated_bytes,
-                   replicated_calls=replicated_calls, norm_latency=norm_latency, optimizer=optimizer)
+                   replicated_latency=replicated_latency, norm_latency=norm_latency, optimizer=optimizer)
 
 
 def _gen_features(spec, work: Workload, where: Placement, c: Candidates, links, *, flops: float, dispatch: float, size: int, busy: int,
@@ -379,11 +401,11 @@ def _gen_features(spec, work: Workload, where: Placement, c: Candidates, links, 
     f["ops_dtensor"] = np.where(t > 1, (1 + new) * (7 * layers + 2) * TP_MODULE_OPS * dispatch, 0.0)
     # per forward (the prefill, then every step): 2 all-reduces per layer and the embedding's, and
     # the last position's logits gathered over the vocabulary ((t−1)/t of [rows, V] received)
-    bandwidth, latency = links.tp
+    bandwidth, latency, reduce = links.tp
     # (uneven shards: DTensor's gather pads each to the largest, ceil(V/t) columns)
     per_token = (2 * layers + 1) * _ring(h * size, t) + _ring(vocab_shard_rows(spec.vocab_size, t) * t * size, t) / 2
     f["comm_tp"] = ((2 * layers + 1) * _ring(prefill_tokens * h * size, t) + decoded * per_token) / bandwidth
-    f["comm_latency"] = (1 + new) * ((2 * layers + 1) * _hops(t, 2) + _hops(t, 1)) * latency
+    f["comm_latency"] = (1 + new) * ((2 * layers + 1) * reduce + _hops(t, 1) * latency)
     zero = np.zeros(len(c))
     f["collective"] = zero + _gather(where, work.batch * work.width * 16)  # tokens, masks, log-probs of every row
     f["call"] = zero + CALL_SECONDS
