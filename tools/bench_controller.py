@@ -75,7 +75,7 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(ROOT / "tools"))
 from bench_train import LAYOUTS, layout_plan  # noqa: E402 - the same training layouts, named the same
 
-from trainer.config.names import ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER  # noqa: E402
+from nereus.trainer.config.names import ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER  # noqa: E402
 
 DEVICES = (32, 256, 1024, 4096)
 DECISION_BAR_MS, CALIBRATION_BAR, CALIBRATION_LOADED_BAR, ADAPTIVE_BAR, SHARE_BAR = 50.0, 0.15, 0.20, 1.10, 0.02

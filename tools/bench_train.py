@@ -75,7 +75,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from trainer.config.names import ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, REF_INFER  # noqa: E402 - no torch
+from nereus.trainer.config.names import ACTOR_TRAIN, CRITIC_INFER, CRITIC_TRAIN, REF_INFER  # noqa: E402 - loads torch (config imports reshard/layout.py)
 
 WORKLOAD = {
     "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 4,

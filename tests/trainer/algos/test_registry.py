@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.algos.registry import ALGORITHMS
-from trainer.config import HYPERPARAMETERS, Algorithm, JobConfig, lr_schedules
-from trainer.runtime.lr_schedule import plan_schedule
+from nereus.trainer.algos.registry import ALGORITHMS
+from nereus.trainer.config import HYPERPARAMETERS, Algorithm, JobConfig, lr_schedules
+from nereus.trainer.runtime.lr_schedule import plan_schedule
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -86,6 +86,6 @@ def test_each_algorithm_reads_its_own_section(name):
 
 
 def _cfg() -> JobConfig:
-    from trainer.prepare import load_config
+    from nereus.trainer.prepare import load_config
 
     return load_config(ROOT / "configs" / "tiny_ppo.yaml")

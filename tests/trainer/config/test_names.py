@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import names
+from nereus.trainer.config import names
 
 ROOT = Path(__file__).resolve().parents[3]
 WORDS = {*names.MODELS, names.TRAIN, names.GEN, names.INFER} | {f"{m}." for m in names.MODELS}
