@@ -20,9 +20,10 @@ OTHER_MEANINGS = {
     ("trainer/data/datasets.py", "train"): (1, "a HuggingFace dataset split"),
     ("trainer/algos/registry.py", "advantages"): (3, "the batch's key of the advantages tensor, not the step's piece"),
 }
-"""Where a model's or a stage's word, or a piece's name, means something else, and how many times. The package is
-scanned (trainer/, cli/, nereus/); not ``tools/``, whose benchmark scripts write configs and
-``--set`` strings by hand, nor ``reshard/`` and ``store/``, which may not import the trainer."""
+"""Where a model's or a stage's word, or a piece's name, means something else, and how many times. The names and
+their fragments are looked for in trainer/, cli/, nereus/ and tools/ (``_spelled``: the benchmarks import them too);
+the bare words in the package only (``_bare``: trainer/, cli/, nereus/), not in ``tools/``, whose benchmark scripts
+write configs and ``--set`` strings by hand. ``reshard/`` and ``store/`` are not scanned: they may not import the trainer."""
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
