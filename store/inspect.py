@@ -12,7 +12,8 @@ from nereus.reshard.layout import TensorLayout
 from .checkpoint import CheckpointStore, normalize_root
 from .errors import StoreError
 from .hf import is_hf_dir
-from .records import JOB_KEY, Manifest, job_from_dict, manifest_to_dict, plan_key
+from .job import plan_config, read_job
+from .records import JOB_KEY, Manifest, manifest_to_dict
 
 
 def open_root(path: str) -> CheckpointStore:
@@ -94,15 +95,16 @@ def _layout(sc: Mapping) -> str:
 def describe_job(store: CheckpointStore) -> str:
     """The job record: the plans the job ran, each by its model-stages' layouts, and its
     changes of plan with their predicted and measured seconds ("" when there is no record)."""
-    entry = store.meta.get(JOB_KEY)
-    if entry is None:
+    job = read_job(store.meta)
+    if job is None:
         return ""
-    job = job_from_dict(JOB_KEY, entry.value)
     lines = [f"job: {len(job.plans)} plan(s), {len(job.transitions)} transition(s)", ""]
     rows = [["plan", "model-stage layouts"]]
     for i in job.plans:
-        plan = store.meta.get(plan_key(i))
-        config = plan.value.get("config", {}) if plan is not None else {}
+        try:
+            config = plan_config(store.meta, i)
+        except StoreError:  # a history entry without its plan record
+            config = {}
         stages = [f"{m}.{st} {_layout(sc)}" for m, by in config.items() if isinstance(by, Mapping)
                   for st, sc in by.items() if isinstance(sc, Mapping)]
         rows.append([str(i), "; ".join(stages) or "(no record)"])

@@ -15,7 +15,7 @@ from nereus.reshard.layout import EMU
 
 from .errors import ConflictError, StoreError
 from .kv import ABSENT, MetaStore
-from .records import JOB_KEY, PLAN_PREFIX, JobRecord, Transition, job_from_dict, job_to_dict, plan_emus, plan_key, plan_record
+from .records import JOB_KEY, PLAN_PREFIX, JobRecord, Transition, job_from_dict, job_to_dict, plan_key, plan_record
 
 RETRIES = 50
 
@@ -69,11 +69,10 @@ def plan_config(store: MetaStore, index: int) -> dict:
     return dict(entry.value.get("config", {}))
 
 
-def read_job(store: MetaStore) -> JobRecord:
+def read_job(store: MetaStore) -> JobRecord | None:
+    """The job record; None before ``record_job``."""
     entry = store.get(JOB_KEY)
-    if entry is None:
-        raise StoreError(f"{store.url}: no job record")
-    return job_from_dict(JOB_KEY, entry.value)
+    return None if entry is None else job_from_dict(JOB_KEY, entry.value)
 
 
 def _update_job(store: MetaStore, change: Callable[[JobRecord], tuple[JobRecord, dict]]) -> JobRecord:
@@ -117,14 +116,6 @@ def plan_index(store: MetaStore, config: Mapping, emus: Sequence[EMU] = ()) -> i
             _update_job(store, lambda job: (job if index in job.plans else replace(job, plans=job.plans + (index,)), {}))
             return index
     return record_plan(store, emus, config)
-
-
-def read_plan(store: MetaStore, index: int) -> list[EMU]:
-    key = plan_key(index)
-    entry = store.get(key)
-    if entry is None:
-        raise StoreError(f"{store.url}: no plan record {key!r}")
-    return plan_emus(key, entry.value)
 
 
 def record_transition(store: MetaStore, transition: Transition) -> JobRecord:

@@ -222,12 +222,6 @@ def read_box(path: str, info: TensorInfo, offsets: tuple[int, ...], lengths: tup
         os.close(fd)
 
 
-def read_tensor(path: str, info: TensorInfo) -> torch.Tensor:
-    out = torch.empty(info.shape, dtype=_TORCH[info.dtype])
-    read_box(path, info, (0,) * len(info.shape), info.shape, out)
-    return out
-
-
 def plan_header(entries: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """The header bytes (length prefix included) and byte range per tensor, in the given order (pure).
 

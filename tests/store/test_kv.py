@@ -136,8 +136,8 @@ def _record_plans(url: str, n: int, tag: int, queue) -> None:
 
 @pytest.mark.timeout(60)
 def test_plans_recorded_concurrently_get_distinct_indices(tmp_path):
-    from nereus.store.job import read_job, read_plan, record_job, record_transition
-    from nereus.store.records import Transition
+    from nereus.store.job import read_job, record_job, record_transition
+    from nereus.store.records import Transition, plan_emus, plan_key
 
     url = str(tmp_path / "root")
     record_job(MetaStore.open(url), {"lr": 1e-5})
@@ -154,7 +154,7 @@ def test_plans_recorded_concurrently_get_distinct_indices(tmp_path):
     store = MetaStore.open(url)
     job = record_transition(store, Transition(step=3, from_plan=0, to_plan=1, predicted_s=1.5, measured_s=1.7, nbytes=10))
     assert read_job(store) == job and sorted(job.plans) == indices and job.config == {"lr": 1e-5}
-    assert read_plan(store, 7)[0].config.tp == 2
+    assert plan_emus(plan_key(7), store.get(plan_key(7)).value)[0].config.tp == 2
 
 
 def test_a_restart_keeps_the_history_up_to_its_step_and_a_fresh_run_starts_a_new_one(tmp_path):
