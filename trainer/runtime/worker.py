@@ -21,6 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,10 @@ from ..data.rewards import RewardError
 from ..metrics.log import MetricsLog
 from .control import JobControl
 from .step import Trainer, worker_device
+
+if TYPE_CHECKING:  # for the annotations only: _Loop.open imports them where it builds them
+    from ..elastic.job_record import JobBook
+    from ..elastic.staging import Stager
 
 
 def join_process_group(device: torch.device, timeout_s: float = 300.0) -> None:
@@ -133,8 +138,8 @@ class _Loop:
     record: dict | None  # how the trainer was restored, logged once its first step completes
     times: dict
     log: MetricsLog | None
-    book: object | None
-    stager: object | None
+    book: JobBook | None
+    stager: Stager | None
     control: JobControl | None
     staging: bool
 
