@@ -33,12 +33,17 @@ def test_what_a_survivor_commits_or_logs_after_the_signal_counts():
 
 
 def test_a_signalled_worker_is_waited_for_until_it_is_gone_not_a_later_process_with_its_pid():
-    p = subprocess.Popen(["sleep", "0.3"])
-    assert bf.children(os.getpid()) >= {p.pid}  # a worker yet to mark is found as its launcher's child
-    procs = bf.running({p.pid, 2 ** 22 + 7})  # the second: no such process
-    assert list(procs) == [p.pid]
-    assert bf.wait_gone(procs, time.monotonic() + 0.05) is False  # still there
-    p.wait()  # reaped: neither running nor a zombie
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)  # spawn_main"])  # a worker's command line
+    tracker = subprocess.Popen(["sleep", "30"])  # the launcher's resource tracker: it lives as long as the launcher
+    try:
+        assert p.pid in bf.children(os.getpid()) and tracker.pid not in bf.children(os.getpid())
+        procs = bf.running({p.pid, 2 ** 22 + 7})  # the second: no such process
+        assert list(procs) == [p.pid]
+        assert bf.wait_gone(procs, time.monotonic() + 0.05) is False  # still there
+    finally:
+        for q in (p, tracker):
+            q.kill()
+            q.wait()  # reaped: neither running nor a zombie
     assert bf.wait_gone(procs, time.monotonic() + 5) is True
     assert bf.wait_gone({os.getpid(): "0"}, time.monotonic() + 5) is True  # another start time: another process
 
@@ -65,6 +70,8 @@ def _trial(**kw):
 def test_a_bar_passes_only_on_what_was_measured():
     good = [_trial(), _trial(phase="hang", detect_s=40.0), _trial(target="launcher", phase="stage", overlap=0)]
     assert all(bf.bars(bf.summary(good), good).values())
+    again = [_trial(landed=False, redone=True), *good]  # a miss done again: every other bar still checks it
+    assert all(bf.bars(bf.summary(again), again).values()) and bf.summary(again)["trials_redone"] == 1
     for bad, bar in ((_trial(diff=None), "final_weights_max_diff"),  # a completed job whose weights were not compared
                      (_trial(error="no restore was recorded"), "trial_errors"),
                      (_trial(phase="hang", detect_s=None), "hang_detect_s"),
