@@ -1,15 +1,16 @@
 """The rollout engine: what ``actor.gen`` samples with, and the plans each engine runs.
 
-Two engines implement ``RolloutEngine``: the built-in generator (``generator.py``: the
-Nereus decoder in ``actor.gen``'s own layout, any tp, pp=1) and vLLM (``vllm_engine.py``:
-vLLM's fused q/k/v and gate/up buffers are ``actor.gen``'s live parameters, over every rank
-of the world). ``check_rollout_plan`` holds the rules a plan must meet for its engine, on vLLM's CPU
-build too; the config check and the environment check (``trainer/prepare.py``, before any
-worker starts), the stage builder (``trainer/runtime/stages.py``) and the controller's search
-(``rollout_plan_ok``, over ``actor.gen``'s candidates) ask it. The vLLM-specific rules it
-applies live beside vLLM's layout, in ``vllm_layout``: ``check_vllm_plan``, and
-``check_vllm_on_cpu`` for what vLLM's CPU build cannot run; whether vLLM is installed is
-``vllm_install.vllm_missing``.
+Two engines implement ``RolloutEngine``, and ``actor.gen``'s stage holds one
+(``trainer/runtime/stages.py``, ``ModelStage.engine``): the built-in generator
+(``generator.BuiltinEngine``: the Nereus decoder in ``actor.gen``'s own layout, any tp, pp=1)
+and vLLM (``vllm_engine.VLLMEngine``: vLLM's fused q/k/v and gate/up buffers are ``actor.gen``'s
+live parameters, over every rank of the world). ``check_rollout_plan`` holds the rules a plan
+must meet for its engine, on vLLM's CPU build too; the config check and the environment check
+(``trainer/prepare.py``, before any worker starts), the stage builder
+(``trainer/runtime/stages.py``) and the controller's search (``rollout_plan_ok``, over
+``actor.gen``'s candidates) ask it. The vLLM-specific rules it applies live beside vLLM's
+layout, in ``vllm_layout``: ``check_vllm_plan``, and ``check_vllm_on_cpu`` for what vLLM's CPU
+build cannot run; whether vLLM is installed is ``vllm_install.vllm_missing``.
 """
 
 from __future__ import annotations

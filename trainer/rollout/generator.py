@@ -16,10 +16,11 @@ top-p < 1 the true sampling distribution is renormalised over the nucleus, this 
 For greedy decoding (T == 0) they are ``log_softmax(logits)``.
 
 Randomness: each step draws one uniform per row, from ``generator``, or, with ``uniforms``
-[B, max_new_tokens], row i's step t reads ``uniforms[i, t]``. The trainer draws the whole
-batch's uniforms from a seed of (job seed, step) and hands each dp replica its rows, so a
-row's sample depends on the step and the row only: the same rollouts at any dp degree (a
-job resumed on another number of processes samples what the original would have).
+[B, max_new_tokens], row i's step t reads ``uniforms[i, t]``. ``BuiltinEngine``, the trainer's
+``RolloutEngine`` (``engine.py``), draws a replica's uniforms as rows ``first_row..`` of the whole
+batch's, from a seed of (job seed, step), so a row's sample depends on the step and the row
+only: the same rollouts at any dp degree (a job resumed on another number of processes
+samples what the original would have).
 
 The generator only calls ``model(ids, attention_mask=, kv_cache=)``: it is TP-agnostic
 (DTensor TP runs inside the same forward). ``generate_no_cache`` recomputes the whole
@@ -156,6 +157,37 @@ def generate_no_cache(
     ids, lengths = _prompt_batch(model, prompts, prompt_lengths, pad_id)
     return _decode(model, ids, lengths, max_new_tokens, temperature, top_p, stop_tokens, pad_id, generator, use_cache=False,
                    uniforms=uniforms)
+
+
+class BuiltinEngine:
+    """The built-in generator as a ``RolloutEngine`` (``engine.py``): ``actor.gen``'s own module
+    (any tp, pp=1), sampled by ``generate`` with uniforms.
+
+    Row i of ``prompts`` reads row ``first_row + i`` of ``torch.rand(rows, max_new_tokens)``
+    drawn from a CPU generator seeded with ``seed``, ``rows`` the whole batch's. The engine draws
+    the rows up to its own last only: torch's CPU uniform kernel fills a tensor in order from
+    one stream, so those rows hold the same numbers whatever the batch's size
+    (tests/trainer/rollout/test_generator.py pins it)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_tokens: Sequence[int] = (),
+        pad_id: int,
+        seed: int = 0,
+        first_row: int = 0,
+    ) -> Rollout:
+        draws = torch.rand(first_row + len(prompts), max_new_tokens, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            return generate(self.module, prompts, uniforms=draws[first_row:], max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_p=top_p, stop_tokens=stop_tokens, pad_id=pad_id)
 
 
 def _prompt_batch(model, prompts, prompt_lengths, pad_id) -> tuple[torch.Tensor, torch.Tensor]:

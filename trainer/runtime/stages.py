@@ -5,9 +5,10 @@ config); all ranks create every stage's process groups in the same order first
 (``new_group`` is collective over the world). Model-stages are co-located and run one
 after another, as verl's hybrid engine does: generation, then inference, then training.
 
-With ``rollout.engine: vllm``, ``actor.gen`` is a ``VLLMEngine`` (trainer/rollout/vllm_engine.py)
-instead of a Nereus module: its EMUs are vLLM's fused layout and its buffers vLLM's live
-parameters, so the weight sync writes straight into vLLM.
+``actor.gen`` samples through its ``engine`` (a ``RolloutEngine``, trainer/rollout/engine.py): the
+built-in generator over its own module, or, with ``rollout.engine: vllm``, a ``VLLMEngine``
+(trainer/rollout/vllm_engine.py) instead of a Nereus module: its EMUs are vLLM's fused layout
+and its buffers vLLM's live parameters, so the weight sync writes straight into vLLM.
 
 Batch split: a stage with dp replicas gives replica d the rows ``tensor_split(B, dp)[d]``;
 all TP and PP ranks of a replica see the same rows. With ``micro_batch_tokens`` the rows are
@@ -45,7 +46,8 @@ from ..parallel.packing import Packing, balanced_order, pack_batch, pack_count
 from ..parallel.groups import cached_group, plan_groups, stage_groups
 from ..parallel.parallelize import StagePart, build_stage, optimizer_buffers, stage_buffers, stage_grads
 from ..parallel.pipeline import forward, forward_backward
-from ..rollout.engine import check_rollout_plan
+from ..rollout.engine import RolloutEngine, check_rollout_plan
+from ..rollout.generator import BuiltinEngine
 from ..rollout.vllm_engine import VLLMEngine, vllm_emus
 from ..parallel.vocab_parallel import VocabShard, token_logprobs
 
@@ -68,8 +70,10 @@ class ModelStage:
     """All ranks of the model-stage (None: the world)."""
     norm_weights: dict[str, float] = field(default_factory=dict)
     """Per local parameter: 1 / holders of its box in this rank's EMU (see ``clip_grads``)."""
-    engine: VLLMEngine | None = None
-    """``actor.gen`` under ``rollout.engine: vllm``: vLLM holds the weights, ``part`` is None."""
+    engine: RolloutEngine | None = None
+    """``actor.gen`` on its ranks: what samples the rollouts, the built-in generator over
+    ``part``'s module or, under ``rollout.engine: vllm``, vLLM (which holds the weights: ``part``
+    is None). None for every other stage."""
 
     @property
     def dp_shard(self) -> bool:
@@ -78,6 +82,11 @@ class ModelStage:
     @property
     def member(self) -> bool:
         return self.part is not None or self.engine is not None
+
+    @property
+    def vllm(self) -> VLLMEngine | None:
+        """The engine when it is vLLM's (it holds the stage's weights and coordinates)."""
+        return self.engine if isinstance(self.engine, VLLMEngine) else None
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Rank-local views of the parameters (and AdamW state for training stages)."""
@@ -89,14 +98,14 @@ class ModelStage:
         return out
 
     def param_buffers(self) -> dict[str, torch.Tensor]:
-        if self.engine is not None:
-            return self.engine.param_buffers()
+        if self.vllm is not None:
+            return self.vllm.param_buffers()
         return {} if self.part is None else stage_buffers(self.part)
 
     def coords(self) -> tuple[int, int, int]:
         """(dp, pp, tp) index of this (member) rank in the stage's config."""
-        if self.engine is not None:
-            return self.engine.coords
+        if self.vllm is not None:
+            return self.vllm.coords
         g = self.part.groups
         return g.dp_index, g.pp_index, g.tp_index
 
@@ -135,6 +144,8 @@ def build_stages(cfg: JobConfig, rank: int, device: torch.device | str = "cpu", 
             part = build_stage(args, config, rank, dp_shard=sc.dp_shard, device=device, groups=groups, vocab_parallel=not gen)
         train = is_train(key)
         stage = ModelStage(key=key, args=args, config=config, settings=sc, part=part)
+        if key == ACTOR_GEN and part is not None:
+            stage.engine = BuiltinEngine(part.module)
         stage.emus = derive_emus(args.spec, config, model=model_of(key), stage=stage_of(key), optimizer=train, dp_shard=sc.dp_shard)
         stage.group = _stage_group(config)
         if part is not None:
@@ -159,7 +170,7 @@ def stage_group_ranks(stages: dict[str, ModelStage]) -> set[tuple[int, ...]]:
     for stage in stages.values():
         if sorted(stage.config.ranks) != world:
             out.add(tuple(sorted(stage.config.ranks)))
-        if stage.engine is None:
+        if stage.vllm is None:
             out.update(r for ranks in plan_groups(stage.config, stage.args.spec).values() for r in ranks)
     return out
 

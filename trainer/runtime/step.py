@@ -10,7 +10,8 @@ One step (all ranks, SPMD):
    vLLM's own with ``rollout.engine: vllm``);
 2. generation: each ``actor.gen`` replica samples responses for its share of the prompts
    (the step's prompts and the replica's sampling seed are the same on all its TP ranks),
-   with the built-in generator or the vLLM engine (``trainer/rollout/vllm_engine.py``);
+   through ``actor.gen``'s ``RolloutEngine``: the built-in generator (``trainer/rollout/generator.py``)
+   or vLLM (``trainer/rollout/vllm_engine.py``);
 3. inference: rewards, from the task's rule or, with a ``reward_model``, from ``reward.infer``
    (its value at each sequence's last real token; the task's own reward is then logged as
    ``task_reward_mean``); old log-probs (``actor.train``), reference log-probs
@@ -56,7 +57,6 @@ from ..metrics.log import peak_memory
 from ..metrics.meters import StageMeter, rss_bytes, trim_heap
 from ..parallel.parallelize import init_stage
 from ..prepare import resolve_device
-from ..rollout.generator import generate
 from ..seeds import mix, model_seed
 from . import checkpoint, lr_schedule, transition
 from .checkpoint import load_hf
@@ -243,12 +243,7 @@ class Trainer:
             )
             # keyed by the step and the row, not the replica: the same rollouts at any dp (rollout/generator.py)
             seed = mix(*seed)
-            if gen.engine is not None:
-                out = gen.engine.generate(ids[lo:hi], seed=seed, first_row=lo, **sampling)
-            else:
-                draws = torch.rand(len(ids), prompts.max_new_tokens, generator=torch.Generator().manual_seed(seed))
-                with torch.no_grad():
-                    out = generate(gen.part.module, ids[lo:hi], uniforms=draws[lo:hi], **sampling)
+            out = gen.engine.generate(ids[lo:hi], seed=seed, first_row=lo, **sampling)
             # replicas stack: the same prompt width (the longest prompt of the whole batch) and response width
             local = _padded(out, max(width, prompts.max_new_tokens), source.pad_id, prompt_width=max(map(len, ids)))
         rows = gather_rows(gen, local, len(ids))

@@ -5,7 +5,7 @@ teacher-forced forward over the rollout."""
 import pytest
 import torch
 
-from nereus.trainer.rollout.generator import Rollout, generate, generate_no_cache, left_pad, sample
+from nereus.trainer.rollout.generator import BuiltinEngine, Rollout, generate, generate_no_cache, left_pad, sample
 
 from tests.trainer.models.test_model import make_model
 
@@ -182,3 +182,14 @@ def test_stopped_rows_leave_the_decoding_batch_with_the_same_rollout(model):
     a = generate(model, PROMPTS, pad_id=PAD, max_new_tokens=12, stop_tokens=stops, uniforms=u)
     assert_same(a, generate_no_cache(model, PROMPTS, pad_id=PAD, max_new_tokens=12, stop_tokens=stops, uniforms=u))
     assert_well_formed(a, set(stops))
+
+
+def test_the_builtin_engine_samples_a_replicas_rows_with_the_whole_batchs_uniforms(model):
+    """``BuiltinEngine.generate`` on a replica's rows [lo, hi) with ``first_row=lo`` samples what
+    ``generate`` gives those rows with rows [lo, hi) of the whole batch's ``torch.rand(rows, T)``
+    from the seed (the trainer's draw): the engine draws the rows up to hi only, the same numbers."""
+    engine, batch = BuiltinEngine(model), PROMPTS * 3
+    whole = torch.rand(len(batch), 9, generator=seeded(11))
+    for lo, hi in [(0, 12), (0, 5), (5, 9), (9, 12), (11, 12)]:
+        got = engine.generate(batch[lo:hi], seed=11, first_row=lo, max_new_tokens=9, temperature=0.9, top_p=0.95, pad_id=PAD)
+        assert_same(got, generate(model, batch[lo:hi], pad_id=PAD, max_new_tokens=9, temperature=0.9, top_p=0.95, uniforms=whole[lo:hi]))
