@@ -312,7 +312,7 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.device == "cpu" or (cfg.device == "auto" and gpus < n):
         if cfg.rollout.engine == "vllm":
-            check_vllm_on_cpu(cfg)
+            check_job_on_vllm_cpu(cfg)
         return "cpu"
     if gpus == 0:
         raise ConfigError(f"config key 'device' is 'cuda', but torch {torch.__version__} sees no CUDA device; set device: auto or cpu")
@@ -324,7 +324,7 @@ def resolve_device(cfg: JobConfig, local_processes: int | None = None) -> str:
     return "cuda"
 
 
-def check_vllm_on_cpu(cfg: JobConfig) -> None:
+def check_job_on_vllm_cpu(cfg: JobConfig) -> None:
     """What vLLM's CPU build cannot run, as a ConfigError before any worker starts
     (``rollout/engine.py: check_rollout_plan``, on vLLM's CPU build)."""
     from .rollout.engine import check_rollout_plan

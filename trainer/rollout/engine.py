@@ -7,10 +7,11 @@ and vLLM (``vllm_engine.VLLMEngine``: vLLM's fused q/k/v and gate/up buffers are
 live parameters, over every rank of the world). ``check_rollout_plan`` holds the rules a plan
 must meet for its engine, on vLLM's CPU build too; the config check and the environment check
 (``trainer/prepare.py``, before any worker starts), the stage builder
-(``trainer/runtime/stages.py``) and the controller's search (``rollout_plan_ok``, over
-``actor.gen``'s candidates) ask it. The vLLM-specific rules it applies live beside vLLM's
-layout, in ``vllm_layout``: ``check_vllm_plan``, and ``check_vllm_on_cpu`` for what vLLM's CPU
-build cannot run; whether vLLM is installed is ``vllm_install.vllm_missing``.
+(``trainer/runtime/stages.py``), the vLLM engine when it starts (with the head sizes vLLM itself
+reports) and the controller's search (``rollout_plan_ok``, over ``actor.gen``'s candidates) ask
+it. The vLLM-specific rules it applies live beside vLLM's layout, in ``vllm_layout``:
+``check_vllm_plan``, and ``check_vllm_on_cpu`` for what vLLM's CPU build cannot run; whether
+vLLM is installed is ``vllm_install.vllm_missing``.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ class RolloutEngine(Protocol):
 
 
 def check_rollout_plan(sc: StageConfig, engine: str, *, spec: DecoderSpec | None = None, world: int | None = None,
-                       cpu: bool = False) -> None:
+                       cpu: bool = False, head_dims: Sequence[int] | None = None, model: str = "'model'") -> None:
     """Raise LayoutError unless ``engine`` runs ``actor.gen`` under ``sc``: the built-in
     generator runs unfused pp=1 plans; vLLM runs fused ones (its live parameters are the
     fused buffers) over the whole world of ``world`` ranks (with ``spec``: its TP split of the
     model too); ``cpu``: on vLLM's CPU build, which runs tp=1 and its own head sizes (with
-    ``spec``). The one home of these rules: the config check, the stage builder and the
-    controller's search (``rollout_plan_ok``) ask it."""
+    ``spec``; ``head_dims``: those vLLM reports, else ``vllm_layout.VLLM_CPU_HEAD_DIMS``;
+    ``model``: how the message names the model), checked first. The one home of these rules:
+    the config check, the stage builder, the vLLM engine and the controller's search
+    (``rollout_plan_ok``) ask it."""
     name = f"plan '{ACTOR_GEN}'"
     if engine == "builtin":
         if sc.fused:
@@ -52,6 +55,10 @@ def check_rollout_plan(sc: StageConfig, engine: str, *, spec: DecoderSpec | None
         return
     if not sc.fused:
         raise LayoutError(f"rollout.engine: vllm writes into vLLM's fused q/k/v and gate/up buffers: set {name} fused: true")
+    if cpu:
+        from .vllm_layout import VLLM_CPU_HEAD_DIMS, check_vllm_on_cpu
+
+        check_vllm_on_cpu(spec, sc.tp, head_dims=VLLM_CPU_HEAD_DIMS if head_dims is None else head_dims, model=model)
     if spec is not None and world is not None:
         from .vllm_layout import check_vllm_plan  # pure layout rules
 
@@ -59,10 +66,6 @@ def check_rollout_plan(sc: StageConfig, engine: str, *, spec: DecoderSpec | None
             check_vllm_plan(spec, sc.parallel_config(world), world)
         except LayoutError as e:
             raise LayoutError(f"{name} with rollout.engine: vllm: {e}") from None
-    if cpu:
-        from .vllm_layout import check_vllm_on_cpu
-
-        check_vllm_on_cpu(spec, sc.tp)
 
 
 def rollout_plan_ok(sc: StageConfig, engine: str, *, spec: DecoderSpec | None = None, world: int | None = None,

@@ -80,15 +80,16 @@ import torch
 import torch.distributed as dist
 from nereus.reshard.layout import DTYPES, ParallelConfig
 
+from ..config import StageConfig
 from ..models.decoder import ModelArgs
 from ..seeds import row_seed
+from .engine import check_rollout_plan
 from .generator import Rollout, left_pad
 from .vllm_install import import_vllm
 from .vllm_layout import (  # the layout rules, re-exported: callers import them from here too
     VLLM_CPU_HEAD_DIMS,
     VOCAB,
-    check_vllm_on_cpu,
-    check_vllm_plan,
+    check_vllm_plan,  # noqa: F401
     nereus_buffers,
     vllm_emus,  # noqa: F401
     vllm_hf_config,
@@ -208,9 +209,9 @@ class VLLMEngine:
         self.args, self.spec, self.config = args, args.spec, config
         self.rank = dist.get_rank() if rank is None else rank
         self.on_cpu = _platform_is_cpu()
-        if self.on_cpu:
-            check_vllm_on_cpu(self.spec, config.tp, head_dims=cpu_head_dims(), model="this model")
-        check_vllm_plan(self.spec, config, dist.get_world_size())
+        as_planned = StageConfig(dp=config.dp, tp=config.tp, pp=config.pp, ranks=config.ranks, fused=True)
+        check_rollout_plan(as_planned, "vllm", spec=self.spec, world=dist.get_world_size(), cpu=self.on_cpu,
+                           head_dims=cpu_head_dims() if self.on_cpu else None, model="this model")
         i = config.ranks.index(self.rank)
         self.coords = (i // config.tp, 0, i % config.tp)
         """(dp, pp, tp) index of this rank in ``config``."""

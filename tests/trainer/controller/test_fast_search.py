@@ -271,9 +271,9 @@ def test_plan_auto_with_a_head_size_vllms_cpu_build_cannot_run_still_names_the_h
     """The search applies vLLM's CPU tp rule only: ``plan: auto`` finds a plan, and the head size
     is the environment check's one-line error, not a search that finds no rollout layout."""
     from nereus.trainer.config import ConfigError
-    from nereus.trainer.prepare import check_vllm_on_cpu
+    from nereus.trainer.prepare import check_job_on_vllm_cpu
 
     cfg = load_config("configs/tiny_vllm.yaml", ["model.num_heads=4", "model.num_kv_heads=4", "plan=auto"])
     assert cfg.plan.actor.gen.tp == 1 and cfg.plan.actor.gen.fused
     with pytest.raises(ConfigError, match=r"vLLM's CPU attention runs head_dim .* but 'model' has head_dim 16"):
-        check_vllm_on_cpu(cfg)
+        check_job_on_vllm_cpu(cfg)

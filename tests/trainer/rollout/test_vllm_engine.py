@@ -708,17 +708,17 @@ def test_vllm_engine_generates_from_the_weights_reshard_writes(monkeypatch):
 def test_what_vllm_on_cpu_cannot_run_is_a_config_error_before_any_worker():
     """tp > 1 and head sizes without a CPU kernel (the 16 of tiny_grpo), checked without vllm;
     the search offers actor.gen tp=1 only on the CPU profile."""
-    from nereus.trainer.prepare import check_vllm_on_cpu
+    from nereus.trainer.prepare import check_job_on_vllm_cpu
     from nereus.trainer.controller.profiles import load_profile
     from nereus.trainer.controller.search import stage_options
     from nereus.trainer.controller.workload import Workload
 
-    check_vllm_on_cpu(load_config(TINY_VLLM))
+    check_job_on_vllm_cpu(load_config(TINY_VLLM))
     with pytest.raises(ConfigError, match=r"runs tp=1 \(dp over the ranks\), got tp=2"):
-        check_vllm_on_cpu(load_config(TINY_VLLM, ["plan.actor.gen={dp: 1, tp: 2, fused: true}", "model.num_heads=2",
+        check_job_on_vllm_cpu(load_config(TINY_VLLM, ["plan.actor.gen={dp: 1, tp: 2, fused: true}", "model.num_heads=2",
                                                    "model.num_kv_heads=2"]))
     with pytest.raises(ConfigError, match=r"runs head_dim 32, 64, .* but 'model' has head_dim 16"):
-        check_vllm_on_cpu(load_config(TINY_VLLM, ["model.num_heads=4", "model.num_kv_heads=4"]))
+        check_job_on_vllm_cpu(load_config(TINY_VLLM, ["model.num_heads=4", "model.num_kv_heads=4"]))
     cfg = load_config(TINY_VLLM, ["model.num_heads=2", "model.num_kv_heads=2", "model.hidden_size=128"])
     assert load_profile(cfg.device_profile).kind == "cpu"
     assert {sc.tp for sc in stage_options(cfg, "actor.gen", (0, 1), Workload.from_config(cfg))} == {1}
