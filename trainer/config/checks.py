@@ -275,7 +275,8 @@ def _check_recompute_and_tokens(cfg: JobConfig, name: str, stage: str, sc: Stage
 def _check_controller(cfg: JobConfig) -> None:
     c = cfg.controller
     for key, ok, want in (("controller.drift", c.drift > 0, "> 0"), ("controller.gamma", c.gamma >= 0, ">= 0"),
-                          ("controller.hysteresis", c.hysteresis >= 0, ">= 0"), ("controller.lookahead", c.lookahead >= 1, ">= 1")):
+                          ("controller.hysteresis", c.hysteresis >= 0, ">= 0"), ("controller.lookahead", c.lookahead >= 1, ">= 1"),
+                          ("controller.explore", 0 <= c.explore < 1, "in [0, 1)")):
         if not ok:
             raise ConfigError(f"config key '{key}' must be {want}, got {_get(cfg, key)!r}")
     known = set(MODEL_STAGES)

@@ -9,9 +9,9 @@
 - ``search``     the best plans under the memory budget: frontier per model-stage, combined
 - ``admission``  when to replan and whether a better plan pays for its transition
 - ``classes``    the memory classes of ranks, and the offset fitted per class (``fit_memory``)
-- ``evidence``   what was measured of the step time, kept for the fits (``SampleRows``)
+- ``evidence``   what was measured of the step time: the fit's rows, per-layout corrections and bands
 - ``pieces``     a step's measured pieces as the models see them (features, owner), plans as keys
-- ``online``     the live controller: observe → decide, with its logs
+- ``online``     the live controller: observe → decide (trials of layouts not run yet), with its logs
 - ``report``     what ``nereus plan`` prints: the search's plans as a table or JSON
 
 The step loop (``trainer/runtime/control.py``'s ``JobControl``) calls it through one seam: ``observe`` after a step,

@@ -53,6 +53,18 @@ that change is taken over 200 steps; a gain within that band is not, however lon
 horizon. (Measured: a 1.5% predicted gain with σ 5% taken under a √h discount turned out
 7% slower, and its move back never paid.)
 
+Trials. A plan whose better layout the model cannot vouch for (its gain within σ, or none
+predicted) stays untried by the rule above, and the model never learns it: what the model
+gets wrong about layouts it has not run (the job's measured error on each layout's first
+step, ``evidence.LayoutEvidence.unseen``) is as likely to hide a faster plan as a slower one.
+A trial moves to the plan whose layouts not yet run are fastest at the model's prediction
+less that error (L_hope), measures it for a step, and moves back unless it is faster
+(``trial``): admitted if L_hope < L_old and its risk — the move, the move back and a slower
+step, r = L_tran + L_back + max(0, L_new − L_old) — is within γ·h·(L_old − L_hope) and within
+what the job's exploration may still spend (``controller.explore`` × the run's time so far
+and to come, less what trials spent). Each trial measures a layout: its correction and band
+replace the model's guess, and the calibration sees one more layout.
+
 ``H`` is the mean of the last gaps between drifts of the signal that triggered, the first gap
 counted from the step the signal was first seen (``DriftWatch``), never less than the
 lookahead (``Controller``: a plan is chosen to fit that many steps, so it is expected to run
@@ -131,18 +143,43 @@ class DriftWatch:
 
 
 def difference_spread(old: dict[str, float], new: dict[str, float], band: float, changed=(), *,
-                      bands: dict[str, float] | None = None) -> float:
+                      bands: dict[str, float] | None = None, new_bands: dict[str, float] | None = None) -> float:
     """σ of the module docstring: seconds per step, the band of each piece that differs
     between the two plans' per-model-stage predictions (``old``, ``new``; a stage in
-    ``changed`` counts even where its prediction happens to be equal): ``bands[key]`` (that
-    stage's own measured error), ``band`` for a stage without one."""
+    ``changed`` counts even where its prediction happens to be equal): ``bands[key]`` on the
+    running plan's side (that stage's layout's own measured error), ``new_bands[key]`` on the
+    new plan's (its layout's, or the model's error on layouts it had not run; ``bands`` when
+    not given), ``band`` for a stage without one."""
     total = 0.0
     bands = bands or {}
+    new_bands = bands if new_bands is None else new_bands
     for key in old.keys() | new.keys():
         a, b = old.get(key, 0.0), new.get(key, 0.0)
         if key in changed or abs(a - b) > 1e-12 * max(abs(a), abs(b), 1e-30):
-            total += bands.get(key, band) ** 2 * (a * a + b * b)
+            total += bands.get(key, band) ** 2 * a * a + new_bands.get(key, band) ** 2 * b * b
     return total ** 0.5
+
+
+def trial(*, old_seconds: float, optimistic_seconds: float, new_seconds: float, there_seconds: float, back_seconds: float,
+          horizon: float, steps_left: int, gamma: float, allowance: float) -> tuple[bool, str]:
+    """(admitted, reason) of a trial move: to a plan with a layout the job has not run, whose
+    gain the model cannot vouch for (it is within σ), to measure it (module docstring,
+    "Trials"). ``optimistic_seconds``: the plan with each layout not yet run at the model's
+    prediction less the model's error on unseen layouts; ``allowance``: what the job's
+    exploration may still spend, seconds."""
+    h = max(min(horizon, steps_left), 0.0)
+    hope = old_seconds - optimistic_seconds
+    risk = there_seconds + back_seconds + max(0.0, new_seconds - old_seconds)  # the move, the move back, a slower step
+    if not hope > 0:
+        return False, f"no trial: even at the model's unseen error the plan is not faster ({optimistic_seconds:.4g} s vs {old_seconds:.4g} s)"
+    if not h > 1:
+        return False, "no trial: no step left to use what it would show"
+    if not risk <= allowance:
+        return False, f"no trial: its risk {risk:.4g} s is over what exploration may still spend ({allowance:.4g} s)"
+    if not risk <= gamma * h * hope:
+        return False, f"no trial: its risk {risk:.4g} s > γ·h·(L_old − L_hope) = {gamma * h * hope:.4g} s"
+    return True, (f"trial: a layout not run yet, {new_seconds:.4g} s predicted, {optimistic_seconds:.4g} s at the model's unseen error "
+                  f"(running {old_seconds:.4g} s); risk {risk:.4g} s <= γ·h·(L_old − L_hope) = {gamma * h * hope:.4g} s")
 
 
 def admit(

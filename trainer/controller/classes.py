@@ -16,6 +16,7 @@ import numpy as np
 
 from ..config import StageConfig
 from ..config.names import is_train
+from .memory import HEADROOM
 
 
 MEMORY_STEPS = 12
@@ -53,11 +54,25 @@ class MemoryFit:
         """(offset, margin): the peak is ``(resident + transient) · (1 + margin) + offset``."""
         if cls in self.offsets or not self.offsets:
             return self.offsets.get(cls, 0.0), 0.0
-        return max(self.offsets.values()), self.unseen
+        return 0.0, self.unseen
 
     def peak(self, resident: float, transient: float, cls: str = "") -> float:
+        """A rank's peak in class ``cls``, as the model and the fit predict it."""
         offset, margin = self.terms(cls)
         return (resident + transient) * (1.0 + margin) + offset
+
+    def priced(self, resident: float, transient: float, cls: str = "") -> float:
+        """A rank's peak in class ``cls`` as a plan is priced against the budget (``priced_peak``)."""
+        offset, margin = self.terms(cls)
+        return priced_peak(resident, transient, offset, margin)
+
+
+def priced_peak(resident, transient, offset, margin):
+    """The peak a plan is priced at: ``(resident + transient) · (1 + margin) + offset``, the
+    headroom (``memory.HEADROOM``) on the transients alone — the resident tensors are counted
+    exactly and the offset was measured; the activations, caches and buffers are the
+    model's estimate, and they grow with the lengths (elementwise over arrays)."""
+    return (resident + transient) * (1.0 + margin) + offset + (HEADROOM - 1.0) * transient
 
 
 class _Registry:
@@ -153,13 +168,17 @@ def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY
     """The memory model's correction from (class, resident, transient, measured) samples: per
     class of training layouts, ``offset`` = the largest (measured − predicted) of its
     ``recent`` latest samples (the controller's: a step's worst rank each) — what the model
-    does not count (allocator slack, libraries, communication buffers) — never below 0;
-    ``unseen`` for the classes not run yet. No per-term scales: a process's resident memory
-    cannot tell weights from activations. A class left long ago keeps its offset: what it
-    stands for does not grow with the lengths (the model counts the activations at the
-    width priced), and a part of it that does (an allocator's slack on larger blocks) is
-    what the search's 10% headroom is for."""
-    by_class: dict[str, list[float]] = {}
+    does not count (allocator slack, libraries, communication buffers) — never below 0.
+    A class not run yet is priced with the largest relative excess measured on any class
+    (offset ÷ the model's peak: an allocator's slack grows with what it holds), never below
+    the prior ``unseen`` shrunk by the classes measured, ``unseen · 2 / (2 + n)``: learned,
+    not feared. No per-term scales: a process's resident memory cannot tell weights from
+    activations. A class left long ago keeps its offset: what it stands for does not grow
+    with the lengths (the model counts the activations at the width priced), and a part of it
+    that does (an allocator's slack on larger blocks) is what the search's 10% headroom is for."""
+    by_class: dict[str, list[tuple[float, float]]] = {}
     for cls, r, t, m in samples:
-        by_class.setdefault(cls, []).append(float(m - r - t))
-    return MemoryFit(offsets={c: max(0.0, max(v[-recent:])) for c, v in by_class.items()}, unseen=unseen)
+        by_class.setdefault(cls, []).append((float(m - r - t), float(r + t)))
+    offsets = {c: max(0.0, max(x for x, _ in v[-recent:])) for c, v in by_class.items()}
+    relative = max((max(0.0, x) / p for v in by_class.values() for x, p in v[-recent:] if p > 0), default=0.0)
+    return MemoryFit(offsets=offsets, unseen=max(relative, unseen * 2 / (2 + len(by_class))))

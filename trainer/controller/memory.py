@@ -60,7 +60,8 @@ model's ``max_seq_len``; the controller passes the coming step's):
   and KV cache freed), and while generating holds ``rollout.gpu_memory_utilization`` of the
   device (its weights and KV-cache pool): resident 0, transient that share.
 
-The peak takes 10% headroom (the Nereus paper's) before it is compared with the budget.
+The peak takes 10% headroom (the Nereus paper's) on its transients before it is compared with
+the budget: the resident tensors are counted exactly (``classes.priced_peak``).
 Every candidate of a search is priced at once (``candidate_memory``: arrays over
 ``candidates.Candidates``); ``pipeline_memory`` is the same computation for one stage config.
 Shortcuts: no allocator fragmentation model, no communication buffers, no CUDA context;
@@ -345,7 +346,7 @@ def check_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> None:
     limit = int(budget * GIB)
     for rank, stages in sorted(plan_memory(cfg, plan, seq=seq).items()):
         total, worst = rank_peak(stages)
-        peak = int(total * HEADROOM)
+        peak = int(total + (HEADROOM - 1.0) * worst.transient)  # as classes.priced_peak: the headroom on the transients
         if peak > limit:
             biggest = max(stages, key=lambda s: s.resident + s.transient)
             raise ConfigError(

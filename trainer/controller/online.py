@@ -37,11 +37,11 @@ from dataclasses import asdict
 import numpy as np
 
 from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
-from .admission import Decision, DriftWatch, admit, difference_spread
+from .admission import Decision, DriftWatch, admit, difference_spread, trial
 from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
 from .classes import MEMORY_STEPS, MemoryFit, fit_memory, rank_class
-from .evidence import SampleRows
+from .evidence import LayoutEvidence, SampleRows, layout_key
 from .search import PlanChoice, device_budget, plan_seconds, search
 from .steptime import OP_CLASSES, Placement, StepTimeModel
 from .transition import TransitionModel, profile_links, transition_peak
@@ -78,7 +78,10 @@ class Controller:
         self.held_record: dict[str, deque] = {}
         self.transition_samples: list[tuple[float, int, float]] = []
         self.errors: deque = deque(maxlen=20)
-        self.stage_errors: dict[str, deque] = {}  # per model-stage: its pieces' relative error, the last 20 steps
+        self.evidence = LayoutEvidence()  # per model-stage and layout run: corrections and bands
+        self.trial: dict | None = None  # a trial under way: the plan it left and the step it was admitted at
+        self.explored = 0.0  # seconds the trials risked so far (exploration's spending)
+        self.run_seconds = 0.0  # the measured steps' seconds so far
         self.lengths: list[tuple] = []  # per step seen: (response_max, response_mean[, response_sq_mean])
         self.prompt_mean: float | None = None  # real prompt tokens of a row, on average (None: as long as the longest)
         self.watch = DriftWatch(drift=settings.drift)
@@ -101,14 +104,16 @@ class Controller:
         """The step-time model's mean relative error on this job so far (out of sample)."""
         return max(MIN_BAND, sum(self.errors) / len(self.errors)) if self.errors else 0.5
 
-    @property
-    def bands(self) -> dict[str, float]:
-        """Per model-stage, the RMS of its prediction's relative error on the last 20 steps
-        (out of sample; its pieces — the stage, its weight sync, a training stage's own
-        forward — summed as ``search.stage_seconds`` sums them), never below ``MIN_BAND``:
-        admission's σ of a stage that changes (``admission.difference_spread``). The step's
-        errors partly cancel across stages, so the whole step's band is no stage's."""
-        return {k: max(MIN_BAND, (sum(e * e for e in v) / len(v)) ** 0.5) for k, v in self.stage_errors.items() if v}
+    def stage_bands(self, plan: PlanConfig, nproc: int) -> dict[str, float]:
+        """Per model-stage of ``plan``, its layout's band (``LayoutEvidence.band``: the layout's
+        own out-of-sample error once corrected, or the model's error on layouts it had not
+        run): admission's σ of a stage that changes (``admission.difference_spread``)."""
+        return {k: self.evidence.band(k, layout_key(sc, nproc)) for k, sc in plan.stages().items()}
+
+    def _factor(self, key: str, stages: dict, nproc: int) -> float:
+        """The correction model-stage ``key``'s layout in ``stages`` is priced × (1: none)."""
+        table = self.model.corrections.get(key)
+        return table.get(layout_key(stages[key], nproc), 1.0) if table and key in stages else 1.0
 
     def memory_samples(self) -> list[tuple[str, int, int, int]]:
         """The memory record as ``fit_memory``'s (class, resident, transient, measured) samples."""
@@ -126,28 +131,32 @@ class Controller:
         work = dataclasses.replace(Workload.from_config(cfg).at(*self.lengths[-1]), prompt_mean=self.prompt_mean)
         where = Placement(nproc=cfg.nproc, profile=self.profile)
         pieces, predicted_total, measured_total = {}, 0.0, 0.0
-        per_stage: dict[str, list[float]] = {}  # model-stage: [predicted, measured] of its pieces
+        per_stage: dict[str, list] = {}  # model-stage: [features, measured, predicted seconds] of its pieces, summed
         stages = cfg.plan.stages()
         for name, record in metrics["stages"].items():
             features = piece_features(cfg, name, work, where)
             if features is None:
                 continue
-            predicted = self.model.predict(features)
+            owner = piece_owner(name, stages)
+            predicted = self.model.predict(features) * self._factor(owner, stages, cfg.nproc)
             pieces[name] = {"predicted_s": predicted, "measured_s": record["seconds"]}
             predicted_total += predicted
             measured_total += record["seconds"]
             self.samples.append(features, record["seconds"])
-            both = per_stage.setdefault(piece_owner(name, stages), [0.0, 0.0])
-            both[0] += predicted
+            both = per_stage.setdefault(owner, [np.zeros(len(OP_CLASSES)), 0.0, 0.0])
+            both[0] += np.array([features.get(k, 0.0) for k in OP_CLASSES])
             both[1] += record["seconds"]
+            both[2] += predicted
         error = abs(predicted_total - measured_total) / measured_total if measured_total > 0 else 0.0
         self.errors.append(error)
-        for key, (p, m) in per_stage.items():
-            if m > 0:
-                self.stage_errors.setdefault(key, deque(maxlen=20)).append((p - m) / m)
+        self.run_seconds += measured_total
+        for key, (f, m, p) in per_stage.items():
+            if key in stages:  # predicted with the correction it had: each layout's errors out of sample
+                self.evidence.observe(key, layout_key(stages[key], cfg.nproc), f, m, p)
         memory = self._observe_memory(cfg, metrics, work)
         if self.settings.calibrate:
-            self.model = self.model.calibrate_rows(self.samples.matrix())  # = calibrate() of the last 4,000 samples
+            model = self.model.calibrate_rows(self.samples.matrix())  # = calibrate() of the last 4,000 samples
+            self.model = dataclasses.replace(model, corrections=self.evidence.corrections(np.array([model.coef[k] for k in OP_CLASSES])))
         line = {
             "step": self.step, "pieces": pieces, "step_predicted_s": predicted_total, "step_measured_s": measured_total,
             "error": error, "mean_error": sum(self.errors) / len(self.errors), "memory": memory,
@@ -232,10 +241,15 @@ class Controller:
         if error is not None:
             return self._decided(Decision(**common, admitted=False, reason=f"no plan fits: {error}", new_plan=None, new_seconds=None,
                                           gain_seconds=0.0, transition_seconds=None, decision_ms=ms()))
-        if plan_key(plans[0].plan) == plan_key(cfg.plan):
-            return self._decided(Decision(**common, admitted=False, reason="the running plan is the best", new_plan=None,
-                                          new_seconds=old, gain_seconds=0.0, transition_seconds=None, decision_ms=ms()))
         price = lambda choice: self.transitions.cost(cfg, cfg.plan, choice.plan, budget=int(budget) if budget else None)  # noqa: E731
+        if self.trial is not None and "trial" in triggers:
+            back = self._judge_trial(cfg, common, ahead, where, budget, t0)
+            if back is not None:
+                return self._decided(back)
+        if plan_key(plans[0].plan) == plan_key(cfg.plan):
+            refused = Decision(**common, admitted=False, reason="the running plan is the best", new_plan=None,
+                               new_seconds=old, gain_seconds=0.0, transition_seconds=None, decision_ms=ms())
+            return self._decided(self._explore(cfg, common, plans, budget, price, t0) or refused)
         # urgent: it must move, to the plan cheapest over the lookahead with its transition
         # included, not one just left while another remains; else the fastest
         ranked = self._cheapest(plans, ahead_steps=ahead_steps, price=price) if urgent else [(c, None) for c in plans]
@@ -245,7 +259,10 @@ class Controller:
                                           new_seconds=best.seconds, gain_seconds=old - best.seconds,
                                           transition_seconds=(cost or price(best)).seconds, decision_ms=ms(),
                                           reason=f"no better plan's transition fits the budget (held while it moves: {gib(held)} GiB)"))
-        return self._admit(cfg, common, old_stages, best, cost or price(best), moving, t0)
+        decision = self._admit(cfg, common, old_stages, best, cost or price(best), moving, t0)
+        if not decision.admitted and not urgent:
+            decision = self._explore(cfg, common, plans, budget, price, t0) or decision
+        return self._decided(decision)
 
     def _triggers(self, cfg: JobConfig, metrics: dict | None, nproc: int | None, work: Workload,
                   budget: float | None) -> tuple[list[str], bool, dict[str, float], list[str]]:
@@ -266,6 +283,8 @@ class Controller:
             self.watched = plan_key(cfg.plan)
         drifted = self.watch.check(self.step, signals)
         triggers += [f"drift:{name}" for name in drifted] + (["first"] if first else [])
+        if self.trial is not None and metrics is not None and self.step > self.trial["step"]:  # the tried plan's step measured
+            triggers.append("trial")
         return triggers, urgent, signals, drifted
 
     def _candidates(self, cfg: JobConfig, work: Workload, ahead: Workload, infeasible: bool) -> tuple[list[PlanChoice], ConfigError | None]:
@@ -313,7 +332,9 @@ class Controller:
         changed = {k for k, sc in best.plan.stages().items() if running.get(k) != sc}
         ok, reason = admit(
             urgent=common["urgent"], old_seconds=old, new_seconds=best.seconds, transition_seconds=cost.seconds, horizon=common["horizon"],
-            steps_left=max(cfg.steps - self.step, 0), spread=difference_spread(old_stages, best.stage_seconds, self.band, changed, bands=self.bands),
+            steps_left=max(cfg.steps - self.step, 0),
+            spread=difference_spread(old_stages, best.stage_seconds, self.band, changed, bands=self.stage_bands(cfg.plan, cfg.nproc),
+                                     new_bands=self.stage_bands(best.plan, cfg.nproc)),
             gamma=self.settings.gamma, recently_left=self.step - self.left.get(plan_key(best.plan), -10**9) < self.settings.hysteresis,
         )
         decision = Decision(**common, admitted=ok, reason=reason, new_plan=config_to_dict(best.plan), new_seconds=best.seconds,
@@ -321,9 +342,79 @@ class Controller:
                             decision_ms=(time.perf_counter() - t0) * 1e3)
         if ok:
             self.left[plan_key(cfg.plan)] = self.step
-            self.pending = {"stages": len(cost.stages), "movement_s": cost.seconds - self.transitions.rebuild * len(cost.stages),
-                            "peak_bytes": moving if moving is not None else self._move_peak(cfg, best.plan)}
-        return self._decided(decision)
+            self._pend(cfg, best.plan, cost, moving)
+        return decision
+
+    def _pend(self, cfg: JobConfig, new: PlanConfig, cost, moving: float | None) -> None:
+        """What an admitted transition is expected to take (``transitioned`` compares)."""
+        self.pending = {"stages": len(cost.stages), "movement_s": cost.seconds - self.transitions.rebuild * len(cost.stages),
+                        "peak_bytes": moving if moving is not None else self._move_peak(cfg, new)}
+
+    def _explore(self, cfg: JobConfig, common: dict, plans: list[PlanChoice], budget: float | None, price, t0: float) -> Decision | None:
+        """A trial move (``admission.trial``) to the plan of ``plans`` whose layouts not run yet
+        are fastest at the model's prediction less its unseen error, or None: exploration off
+        (``controller.explore`` 0, no calibration), a trial under way, no such plan, its move
+        not fitting the memory, or the rule refusing."""
+        if self.settings.explore <= 0 or not self.settings.calibrate or self.trial is not None:
+            return None
+        running, unseen, old = cfg.plan.stages(), self.evidence.unseen, common["old_seconds"]
+        hopes = []
+        for choice in plans:
+            fresh = {k for k, sc in choice.plan.stages().items()
+                     if running.get(k) != sc and not self.evidence.measured(k, layout_key(sc, cfg.nproc))}
+            recent = self.step - self.left.get(plan_key(choice.plan), -10**9) < self.settings.hysteresis
+            if fresh and not recent:
+                hopes.append((sum(v * (1 - unseen) if k in fresh else v for k, v in choice.stage_seconds.items()), choice))
+        if not hopes:
+            return None
+        hope, choice = min(hopes, key=lambda x: x[0])
+        moving = self._move_peak(cfg, choice.plan) if budget is not None else None
+        if moving is not None and moving * HEADROOM > budget:
+            return None
+        there = price(choice)
+        back = self.transitions.cost(cfg, choice.plan, cfg.plan, budget=int(budget) if budget else None)
+        steps_left = max(cfg.steps - self.step, 0)
+        allowance = self.settings.explore * (self.run_seconds + steps_left * old) - self.explored
+        ok, reason = trial(old_seconds=old, optimistic_seconds=hope, new_seconds=choice.seconds, there_seconds=there.seconds,
+                           back_seconds=back.seconds, horizon=common["horizon"], steps_left=steps_left, gamma=self.settings.gamma,
+                           allowance=allowance)
+        if not ok:
+            return None
+        self.trial = {"origin": common["old_plan"], "step": self.step}
+        self.explored += there.seconds
+        self._pend(cfg, choice.plan, there, moving)
+        return Decision(**{**common, "trigger": common["trigger"] + ",trial"}, admitted=True, reason=reason,
+                        new_plan=config_to_dict(choice.plan), new_seconds=choice.seconds, gain_seconds=old - choice.seconds,
+                        transition_seconds=there.seconds, decision_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _judge_trial(self, cfg: JobConfig, common: dict, ahead: Workload, where: Placement, budget: float | None,
+                     t0: float) -> Decision | None:
+        """After a trial plan's first measured step: the move back to the plan it left when that
+        is faster on what was measured of both (``admission.admit`` with both sides' bands; the
+        tried plan then stays out for the hysteresis), else None (the trial is kept). Either way
+        the trial ends, and a slower step is charged to exploration."""
+        from ..config import PlanConfig as _Plan
+        from ..config import build_tree
+
+        origin = build_tree(_Plan, self.trial["origin"], "plan.")
+        self.trial = None
+        back = plan_seconds(cfg, origin, ahead, where, self.model)
+        old, new = common["old_seconds"], sum(back.values())
+        self.explored += max(0.0, old - new)
+        changed = {k for k, sc in origin.stages().items() if cfg.plan.stages().get(k) != sc}
+        cost = self.transitions.cost(cfg, cfg.plan, origin, budget=int(budget) if budget else None)
+        spread = difference_spread(plan_seconds(cfg, cfg.plan, ahead, where, self.model), back, self.band, changed,
+                                   bands=self.stage_bands(cfg.plan, cfg.nproc), new_bands=self.stage_bands(origin, cfg.nproc))
+        ok, reason = admit(urgent=False, old_seconds=old, new_seconds=new, transition_seconds=cost.seconds, horizon=common["horizon"],
+                           steps_left=max(cfg.steps - self.step, 0), spread=spread, gamma=self.settings.gamma, recently_left=False)
+        if not ok:
+            return None
+        self.explored += cost.seconds
+        self.left[plan_key(cfg.plan)] = self.step
+        self._pend(cfg, origin, cost, None)
+        return Decision(**common, admitted=True, reason=f"trial ended: the plan it left is faster measured; {reason}",
+                        new_plan=config_to_dict(origin), new_seconds=new, gain_seconds=old - new, transition_seconds=cost.seconds,
+                        decision_ms=(time.perf_counter() - t0) * 1e3)
 
     def _cheapest(self, plans: list, *, ahead_steps: int, price) -> list:
         """``plans`` as (choice, transition cost) pairs, least predicted seconds over the coming
@@ -348,10 +439,10 @@ class Controller:
             return []
 
     def _peak(self, cfg: JobConfig, plan: PlanConfig, work: Workload) -> float:
-        """The largest calibrated per-rank peak, with headroom."""
+        """The largest calibrated per-rank peak (``classes.priced_peak``)."""
         worst = 0.0
         for (stages,), _ in distinct_ranks(cfg, (plan,), seq=work.width):
-            worst = max(worst, self.memory.peak(*_rank_terms(plan, stages)) * HEADROOM)
+            worst = max(worst, self.memory.priced(*_rank_terms(plan, stages)))
         return worst
 
     def _move_peak(self, cfg: JobConfig, new: PlanConfig) -> float:
@@ -394,6 +485,7 @@ class Controller:
         ``{"error": ...}`` when it failed and the old plan kept running)."""
         pending, self.pending = self.pending or {"stages": 0, "movement_s": 0.0}, None
         if "error" in done:
+            self.trial = None
             self.left.pop(plan_key_of(decision.old_plan), None)
             self._log("transitions.jsonl", {"kind": "failed", "step": decision.step, "error": done["error"],
                                             "new_plan": decision.new_plan, "running": "the old plan, its state intact"})
@@ -425,7 +517,8 @@ class Controller:
                 "samples": self.samples.state_dict(), "memory_samples": [list(x) for x in self.memory_samples()],
                 "held_record": {k: list(v) for k, v in self.held_record.items()},
                 "transition_samples": [list(x) for x in self.transition_samples], "transfers": [list(x) for x in self.transfers],
-                "errors": list(self.errors), "stage_errors": {k: list(v) for k, v in self.stage_errors.items()},
+                "errors": list(self.errors), "evidence": self.evidence.state_dict(), "trial": self.trial, "explored": self.explored,
+                "run_seconds": self.run_seconds,
                 "prompt_mean": self.prompt_mean, "profile": self.profile.name}
 
     def load_state(self, state: dict) -> None:
@@ -450,11 +543,13 @@ class Controller:
         self.transfers.extend((str(k), int(n), float(t)) for k, n, t in state.get("transfers", []))
         self.errors.clear()
         self.errors.extend(float(e) for e in state["errors"])
-        self.stage_errors = {k: deque((float(e) for e in v), maxlen=20) for k, v in state.get("stage_errors", {}).items()}
+        self.evidence.load_state_dict(state.get("evidence", {}))  # (a state saved before it was kept: none)
+        self.trial, self.explored, self.run_seconds = state.get("trial"), float(state.get("explored", 0.0)), float(state.get("run_seconds", 0.0))
         self.prompt_mean = None if state["prompt_mean"] is None else float(state["prompt_mean"])
         if self.settings.calibrate:
             if self.samples.count:
-                self.model = self.model.calibrate_rows(self.samples.matrix())
+                model = self.model.calibrate_rows(self.samples.matrix())
+                self.model = dataclasses.replace(model, corrections=self.evidence.corrections(np.array([model.coef[k] for k in OP_CLASSES])))
             if self.memory_record:
                 self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN)
             if self.transfers:

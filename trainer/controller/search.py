@@ -53,8 +53,8 @@ from ..data.tasks import longest_row
 from ..models.args import model_args
 from ..rollout.engine import rollout_plan_ok
 from .candidates import RECOMPUTE, Candidates, kept_of
-from .classes import ClassRegistry, MemoryFit, layout_kind, rank_class
-from .memory import GIB, HEADROOM, candidate_memory, gib
+from .classes import ClassRegistry, MemoryFit, layout_kind, priced_peak, rank_class
+from .memory import GIB, candidate_memory, gib
 from .profiles import DeviceProfile
 from .steptime import Placement, StepTimeModel, candidate_features, candidate_sync_features
 from .workload import Workload
@@ -172,13 +172,14 @@ def stage_seconds(cfg: JobConfig, key: str, sc: StageConfig, work: Workload, whe
 
 
 def candidate_seconds(cfg: JobConfig, key: str, c: Candidates, work: Workload, where: Placement, model: StepTimeModel, args=None) -> np.ndarray:
-    """``stage_seconds`` of every candidate of ``c`` at once."""
+    """``stage_seconds`` of every candidate of ``c`` at once, each × its layout's correction
+    (``StepTimeModel.corrections``: what the job measured of a layout it ran)."""
     seconds = model.predict(candidate_features(cfg, key, c, work, where, args=args))
     if key in SYNCED:
         seconds = seconds + model.predict(candidate_sync_features(cfg, key, c, where, args=args))
     if cfg.own_forward(key):
         seconds = seconds + model.predict(candidate_features(cfg, key, c, work, where, mode=INFER, args=args))
-    return seconds
+    return seconds * model.layout_factors(key, c, where.nproc)
 
 
 def plan_seconds(cfg: JobConfig, plan: PlanConfig, work: Workload, where: Placement, model: StepTimeModel) -> dict[str, float]:
@@ -478,8 +479,7 @@ def _choice(cfg: JobConfig, fit: MemoryFit, seconds: float, placement: str, stag
     kinds: dict[int, list] = {}
     for p, sc in picked:
         kinds.setdefault(p.group, []).append((p.key, sc))
-    peaks = {g: fit.peak(int(partial.resident[row, g]), int(partial.transient[row, g]), rank_class(kinds[g])) * HEADROOM
-             for g in sorted(kinds)}
+    peaks = {g: fit.priced(int(partial.resident[row, g]), int(partial.transient[row, g]), rank_class(kinds[g])) for g in sorted(kinds)}
     return PlanChoice(plan=_plan(cfg, [(p.key, sc) for p, sc in picked]), seconds=seconds, peak_bytes=peaks, placement=placement,
                       stage_seconds={p.key: float(p.seconds[partial.picks[row, d]]) for d, (p, _) in enumerate(stages)})
 
@@ -498,10 +498,10 @@ def _prune(grown: _Partial, classes: ClassRegistry, budget: float | None, beam: 
     res, tr = grown.resident.astype(np.float64), grown.transient.astype(np.float64)
     if final:
         offset, margin = classes.corrections(grown.classes)
-        peak = ((res + tr) * (1.0 + margin) + offset) * HEADROOM
+        peak = priced_peak(res, tr, offset, margin)
         mem = np.hstack([res, tr, offset, margin])
     else:
-        peak, mem = (res + tr) * HEADROOM, np.hstack([res, tr])
+        peak, mem = priced_peak(res, tr, 0.0, 0.0), np.hstack([res, tr])
     worst = peak.max(axis=1)
     idx = np.flatnonzero(worst <= budget) if budget is not None else np.arange(len(worst))
     if not len(idx):

@@ -74,6 +74,7 @@ from nereus.reshard.layout import itemsize
 from ..config import JobConfig, StageConfig
 from ..config.names import GEN, TRAIN, stage_of
 from .candidates import RECOMPUTE, Candidates, FixedBatching, kept_of, local_elements, micro_batching, per_unique, stage_layers
+from .evidence import layout_key
 from .memory import activation_bytes, logits_bytes
 from .profiles import OP_CLASSES, DeviceProfile
 from .workload import Workload
@@ -441,6 +442,9 @@ class StepTimeModel:
 
     prior: Mapping[str, float] = field(default_factory=dict)
     coef: Mapping[str, float] = field(default_factory=dict)
+    corrections: Mapping[str, Mapping[StageConfig, float]] = field(default_factory=dict)
+    """Per model-stage, a layout the job ran (``evidence.layout_key``) → the factor its
+    predicted seconds are taken × (``evidence.LayoutEvidence``); a layout not in it: 1."""
 
     def __post_init__(self) -> None:
         prior = {k: float(self.prior.get(k, 1.0)) for k in OP_CLASSES}
@@ -453,6 +457,13 @@ class StepTimeModel:
 
     def predict(self, features: Mapping[str, float]) -> float:
         return sum(self.coef[k] * features.get(k, 0.0) for k in OP_CLASSES)
+
+    def layout_factors(self, key: str, c: Candidates, nproc: int) -> np.ndarray | float:
+        """Each candidate's correction (``corrections``; 1 for a layout not run)."""
+        table = self.corrections.get(key)
+        if not table:
+            return 1.0
+        return np.array([table.get(layout_key(sc, nproc), 1.0) for sc in c.layouts])[c.layout]
 
     def calibrate(self, samples: Sequence[tuple[Mapping[str, float], float]], *, prior_weight: float = 1e-3) -> StepTimeModel:
         """θ ≥ 0 minimising Σ ((f·θ − t) / t)² + prior_weight · n · Σ_k ((θ_k − s·prior_k) / (s·prior_k))²

@@ -101,10 +101,14 @@ def test_a_decision_that_raises_does_not_fire_again_nor_shorten_the_horizon(monk
     assert ctl.watch.gaps == gaps
 
 
-def test_the_band_of_a_stage_is_its_own_error_not_the_steps():
+def test_the_band_of_a_stage_is_its_own_layouts_error_not_the_steps():
     """actor.train predicted 30% low and ref.infer + actor.gen high so that the step's total
-    is nearly right: the step's band stays at its floor, actor.train's is its own 30%, and a
-    change of actor.train is charged 30% of it (the step's band would charge 5%)."""
+    is nearly right: the step's band stays at its floor, actor.train's layout's band is its
+    own 30% (blended with the unseen band by one pseudo-sample), and a change of actor.train
+    is charged it (the step's band would charge 5%). The first step of each layout is the
+    model's error on a layout it had not run: the unseen band, with its prior."""
+    from nereus.trainer.controller.evidence import UNSEEN_PRIOR
+
     cfg = tiny("controller.calibrate=false")  # the priors' predictions, the same every step
     probe = Controller(cfg, CPU)
     predicted = {k: v["predicted_s"] for k, v in probe.observe(cfg, metrics(1, SECONDS))["pieces"].items()}
@@ -116,41 +120,55 @@ def test_the_band_of_a_stage_is_its_own_error_not_the_steps():
     for step in range(1, 6):
         ctl.observe(cfg, metrics(step, measured))
     assert ctl.band == MIN_BAND  # the step's error: ~0
-    bands = ctl.bands
-    assert set(bands) == {"actor.gen", "actor.train", "ref.infer"}  # the weight sync is its stage's, as search sums it
-    assert bands["actor.train"] == pytest.approx(0.3 / 1.3, rel=1e-6)  # |p − m| / m
-    assert bands["ref.infer"] == pytest.approx(max(MIN_BAND, (up / rest) / (1 - up / rest)), rel=1e-6)
     gen_p = predicted["actor.gen"] + predicted["sync.actor.gen"]
     gen_m = measured["actor.gen"] + measured["sync.actor.gen"]
-    assert bands["actor.gen"] == pytest.approx(max(MIN_BAND, abs(gen_p - gen_m) / gen_m), rel=1e-6)
+    errors = {"actor.train": -0.3 / 1.3, "ref.infer": (up / rest) / (1 - up / rest), "actor.gen": (gen_p - gen_m) / gen_m}
+    unseen = ((2 * UNSEEN_PRIOR**2 + sum(e * e for e in errors.values())) / (2 + 3)) ** 0.5  # each layout's first step
+    assert ctl.evidence.unseen == pytest.approx(unseen, rel=1e-9)
+    bands = ctl.stage_bands(cfg.plan, cfg.nproc)
+    assert set(bands) == {"actor.gen", "actor.train", "ref.infer"}  # the weight sync is its stage's, as search sums it
+    for key, e in errors.items():  # steps 2-5: four errors of the layout's own, one pseudo-sample of the unseen band
+        assert bands[key] == pytest.approx(max(0.02, ((unseen**2 + 4 * e * e) / 5) ** 0.5), rel=1e-9), key
     old, new = {"actor.train": 10.0, "actor.gen": 5.0}, {"actor.train": 8.0, "actor.gen": 5.0}
     assert difference_spread(old, new, ctl.band, bands=bands) == pytest.approx(bands["actor.train"] * (100 + 64) ** 0.5)
     assert difference_spread(old, new, ctl.band, bands=bands) > 4 * difference_spread(old, new, ctl.band)
+    # a new layout's side is charged the unseen band
+    assert difference_spread(old, new, ctl.band, bands=bands, new_bands={"actor.train": unseen}) == pytest.approx(
+        (bands["actor.train"] ** 2 * 100 + unseen**2 * 64) ** 0.5)
     # a stage without its own errors gets the step's band
     assert difference_spread({"x": 3.0}, {"x": 4.0}, 0.1, bands=bands) == pytest.approx(0.1 * 5.0)
-    # and the per-stage errors survive a resume
+    # and the per-layout evidence survives a resume
     again = Controller(cfg, CPU, first_step=5)
     again.load_state(ctl.state_dict())
-    assert again.bands == bands
-
+    assert again.stage_bands(cfg.plan, cfg.nproc) == bands and again.evidence.unseen == ctl.evidence.unseen
 
 
 def test_a_decision_charges_each_changed_stage_its_own_band(monkeypatch):
-    """``decide`` hands admission the controller's per-stage bands (``difference_spread``'s
-    ``bands``), measured on this job."""
-    cfg = tiny()
+    """``decide`` hands admission the controller's per-stage bands: the running plan's layouts'
+    (``difference_spread``'s ``bands``) and the new plan's (``new_bands``: the unseen band for
+    a layout the job has not run), measured on this job."""
+    from nereus.trainer.config import PlanConfig, build_tree
+
+    cfg = tiny("controller.explore=0")  # admission alone: no trial
     ctl = Controller(cfg, CPU)
     ctl.observe(cfg, metrics(1, SECONDS))
     seen = []
 
     def spread(*args, **kwargs):
-        seen.append(kwargs.get("bands"))
+        seen.append((kwargs.get("bands"), kwargs.get("new_bands")))
         return difference_spread(*args, **kwargs)
 
     monkeypatch.setattr(online, "difference_spread", spread)
     d = ctl.decide(cfg, metrics(1, SECONDS))
     assert d is not None and d.new_plan is not None and d.new_plan != d.old_plan, d
-    assert seen == [ctl.bands] and set(seen[0]) == {"actor.gen", "actor.train", "ref.infer"}
+    new = build_tree(PlanConfig, d.new_plan, "plan.")
+    assert seen == [(ctl.stage_bands(cfg.plan, cfg.nproc), ctl.stage_bands(new, cfg.nproc))]
+    assert set(seen[0][0]) == {"actor.gen", "actor.train", "ref.infer"}
+    from nereus.trainer.controller.evidence import layout_key
+
+    moved = [k for k, sc in new.stages().items() if layout_key(cfg.plan.stages()[k], cfg.nproc) != layout_key(sc, cfg.nproc)]
+    assert moved and all(seen[0][1][k] == ctl.evidence.unseen and not ctl.evidence.measured(k, layout_key(new.stages()[k], cfg.nproc))
+                         for k in moved)
 
 
 def test_a_share_that_falls_below_the_watch_on_a_new_plan_loses_its_old_reference():

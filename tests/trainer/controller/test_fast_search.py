@@ -74,10 +74,10 @@ def reference_prune(grown: list, budget, beam: int, *, final: bool):
     if final:
         corr = np.array([g[5] for g in grown], dtype=np.float64)
         offset, margin = corr[..., 0], corr[..., 1]
-        peak = ((res + tr) * (1.0 + margin) + offset) * HEADROOM
+        peak = (res + tr) * (1.0 + margin) + offset + (HEADROOM - 1.0) * tr  # the headroom on the transients alone
         mem = np.hstack([res, tr, offset, margin])
     else:
-        peak, mem = (res + tr) * HEADROOM, np.hstack([res, tr])
+        peak, mem = res + tr * HEADROOM, np.hstack([res, tr])
     worst = peak.max(axis=1)
     ok = worst <= budget if budget is not None else np.ones(len(grown), dtype=bool)
     idx = np.flatnonzero(ok)
@@ -137,7 +137,7 @@ def reference_search(cfg, work, profile, model, *, fit=MemoryFit(), top=5, beam=
             if not partial:
                 break
         for secs, res, tr, picked, kinds, _ in partial:
-            peaks = {g: fit.peak(res[g], tr[g], rank_class(kinds[g])) * HEADROOM for g in sorted({c.group for c in picked})}
+            peaks = {g: fit.peak(res[g], tr[g], rank_class(kinds[g])) + (HEADROOM - 1.0) * tr[g] for g in sorted({c.group for c in picked})}
             choices.append((secs, {c.key: c.seconds for c in picked}, peaks, placement, {c.key: c.config for c in picked}))
     choices.sort(key=lambda c: c[0])
     return choices[:top]

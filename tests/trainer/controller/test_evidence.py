@@ -1,0 +1,108 @@
+"""What the controller learns from the layouts it runs, and when it tries one it has not run (pure)."""
+
+import math
+
+import numpy as np
+import pytest
+from nereus.trainer.config import StageConfig
+from nereus.trainer.controller.admission import trial
+from nereus.trainer.controller.classes import fit_memory
+from nereus.trainer.controller.evidence import LAYOUT_STEPS, MIN_BAND, UNSEEN_PRIOR, LayoutEvidence, layout_key
+
+A = layout_key(StageConfig(dp=4), 4)
+B = layout_key(StageConfig(dp=2, tp=2, micro_batch_size=8), 4)
+
+
+def test_a_layout_is_priced_at_what_its_steps_measured_and_its_band_shrinks_as_they_agree():
+    """The correction is the median of measured ÷ predicted over the layout's last steps (one
+    outlier does not move it); its band is the RMS of its out-of-sample errors, with the
+    unseen band as one pseudo-sample; the first step of a layout is the model's error on a
+    layout it had not run (the unseen band, with two pseudo-samples of the prior)."""
+    coef = np.array([1.0, 2.0])
+    ev = LayoutEvidence()
+    assert ev.unseen == UNSEEN_PRIOR and ev.band("actor.train", A) == UNSEEN_PRIOR and not ev.measured("actor.train", A)
+    f = np.array([1.0, 0.5])  # predicted 2 s by coef
+    measured = [3.0, 3.0, 30.0, 3.0]  # 1.5× the model, one outlier
+    predicted = [2.0, 3.0, 3.0, 3.0]  # as the controller priced each step: the first without a correction
+    for m, p in zip(measured, predicted):
+        ev.observe("actor.train", A, f, m, p)
+    assert ev.measured("actor.train", A) and ev.corrections(coef) == {"actor.train": {A: 1.5}}
+    first = (2.0 - 3.0) / 3.0
+    unseen = math.sqrt((2 * UNSEEN_PRIOR**2 + first**2) / 3)
+    assert ev.unseen == pytest.approx(unseen)
+    errors = [0.0, (3.0 - 30.0) / 30.0, 0.0]
+    assert ev.band("actor.train", A) == pytest.approx(math.sqrt((unseen**2 + sum(e * e for e in errors)) / 4))
+    for _ in range(3 * LAYOUT_STEPS):  # steps that agree with the correction: the band falls to its floor
+        ev.observe("actor.train", A, f, 3.0, 3.0)
+    assert ev.band("actor.train", A) == pytest.approx(max(MIN_BAND, unseen / math.sqrt(1 + 2 * LAYOUT_STEPS)))
+    assert ev.band("actor.train", B) == ev.unseen  # another layout: the model's error on layouts not run
+    again = LayoutEvidence()
+    again.load_state_dict(ev.state_dict())
+    assert again.corrections(coef) == ev.corrections(coef) and again.band("actor.train", A) == ev.band("actor.train", A)
+    assert again.unseen == ev.unseen
+
+
+def test_a_layout_is_its_config_without_what_a_running_stage_retunes_on_explicit_ranks():
+    assert layout_key(StageConfig(dp=4, micro_batch_size=8, recompute="full"), 4) == layout_key(StageConfig(dp=4, ranks=(0, 1, 2, 3)), 4)
+    assert layout_key(StageConfig(dp=2), 4) != layout_key(StageConfig(dp=2, ranks=(2, 3)), 4)
+
+
+def test_a_trial_is_taken_when_its_risk_is_small_against_what_it_may_win_and_exploration_can_pay():
+    base = dict(old_seconds=100.0, optimistic_seconds=80.0, new_seconds=95.0, there_seconds=5.0, back_seconds=5.0, horizon=20,
+                steps_left=100, gamma=0.5, allowance=50.0)
+    ok, reason = trial(**base)
+    assert ok and reason.startswith("trial: ") and "risk 10 s" in reason  # 5 + 5 + max(0, 95 − 100)
+    assert trial(**{**base, "new_seconds": 120.0})[0]  # a slower prediction: its step's loss joins the risk (30 s <= 200 s)
+    assert not trial(**{**base, "optimistic_seconds": 100.0})[0]  # nothing to hope for
+    assert not trial(**{**base, "steps_left": 1})[0]  # no step left to use it
+    refused = trial(**{**base, "allowance": 9.0})
+    assert not refused[0] and "exploration may still spend" in refused[1]
+    refused = trial(**{**base, "there_seconds": 250.0, "allowance": 1000.0})
+    assert not refused[0] and "γ·h" in refused[1]  # 255 s > 0.5 · 20 · 20 s
+    assert not trial(**{**base, "optimistic_seconds": float("nan")})[0]
+
+
+def test_a_class_not_run_is_priced_at_the_largest_relative_excess_measured_never_below_the_shrunk_prior():
+    """(class, resident, transient, measured): class a exceeds the model by 20%, b by 5%; an
+    unseen class is priced with 20%. One class measured with 1%: the prior 25% shrunk to
+    25%·2/3. No double counting: an unseen class takes the margin, not also the largest offset."""
+    fit = fit_memory([("a", 80, 20, 120), ("b", 100, 100, 210), ("a", 80, 20, 110)], unseen=0.25)
+    assert fit.offsets == {"a": 20.0, "b": 10.0}
+    assert fit.unseen == pytest.approx(0.2) and fit.terms("c") == (0.0, pytest.approx(0.2))
+    assert fit.peak(100, 100, "c") == pytest.approx(240.0) and fit.peak(100, 100, "a") == pytest.approx(220.0)
+    one = fit_memory([("a", 100, 0, 101)], unseen=0.25)
+    assert one.unseen == pytest.approx(0.25 * 2 / 3)
+    assert fit_memory([], unseen=0.25).terms("c") == (0.0, 0.0)  # before any step: the model
+
+
+def test_a_plan_is_priced_with_headroom_on_its_transients_alone():
+    """The resident tensors are counted exactly and the offset was measured: 10% headroom on
+    the model's transients only (the Nereus paper's 10%, on what the model estimates)."""
+    from nereus.trainer.controller.memory import HEADROOM
+
+    fit = fit_memory([("a", 80, 20, 110)], unseen=0.25)
+    assert fit.priced(80, 20, "a") == pytest.approx(80 + 20 * HEADROOM + 10)
+    assert fit.priced(80, 20, "new") == pytest.approx((80 + 20) * (1 + fit.unseen) + (HEADROOM - 1) * 20)
+
+
+def test_the_search_prices_a_layout_the_job_ran_at_its_correction_and_the_others_as_the_model_says():
+    import dataclasses
+
+    from nereus.trainer.config.names import ACTOR_TRAIN
+    from nereus.trainer.controller.profiles import load_profile
+    from nereus.trainer.controller.search import candidate_seconds, stage_candidates
+    from nereus.trainer.controller.steptime import Placement, StepTimeModel
+    from nereus.trainer.controller.workload import Workload
+    from nereus.trainer.prepare import load_config
+
+    cfg = load_config("configs/tiny_grpo.yaml")
+    cpu = load_profile("cpu")
+    where, work = Placement(nproc=cfg.nproc, profile=cpu), Workload.from_config(cfg)
+    c = stage_candidates(cfg, ACTOR_TRAIN, tuple(range(cfg.nproc)), work)
+    model = StepTimeModel.for_profile(cpu)
+    plain = candidate_seconds(cfg, ACTOR_TRAIN, c, work, where, model)
+    ran = layout_key(c.config(0), cfg.nproc)
+    corrected = candidate_seconds(cfg, ACTOR_TRAIN, c, work, where, dataclasses.replace(model, corrections={ACTOR_TRAIN: {ran: 1.5}}))
+    same = np.array([layout_key(c.config(i), cfg.nproc) == ran for i in range(len(plain))])
+    assert same.any() and not same.all()
+    assert np.allclose(corrected[same], 1.5 * plain[same], rtol=1e-12) and np.array_equal(corrected[~same], plain[~same])
