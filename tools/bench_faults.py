@@ -378,8 +378,8 @@ def resume_after_launcher(job: Job, old: dict[int, str], hit: dict, deadline: fl
         return proc, {"refused": refused, "overlap": None, "orphans_s": gone_s, **late}
 
 
-def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: random.Random) -> dict:
-    name = f"{phase}-{target}-{index}"
+def trial(base: Path, ref: dict, phase: str, target: str, index: int, rng: random.Random, attempt: int = 0) -> dict:
+    name = f"{phase}-{target}-{index}" + (f"-again{attempt}" if attempt else "")  # a trial done again: a run dir of its own
     job = Job(base, name)
     t0 = time.monotonic()
     deadline = t0 + 480
@@ -542,7 +542,7 @@ def main() -> None:
         for target in (["worker"] if phase == "hang" else [t for t in targets if t != "launcher" or phase in LAUNCHER_PHASES]):
             for i in range(args.trials):
                 for attempt in range(TRIES):  # a fault that missed its phase is no trial of it: done again
-                    r = trial(base, ref, phase, target, i, rng)
+                    r = trial(base, ref, phase, target, i, rng, attempt)
                     r["redone"] = r.get("landed") is False and "error" not in r and attempt < TRIES - 1
                     results.append(r)
                     print(f"  {phase:>10} {target:>6} #{i}: completed={r['completed']} landed={r.get('landed')} "
