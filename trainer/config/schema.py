@@ -332,7 +332,7 @@ class ControllerConfig:
     max_pp: int | None = None  # the search's largest pp (None: what the world and the model allow)
     lookahead: int = 8  # a new plan must fit the workload extrapolated this many steps ahead
     verify: bool = False  # gather and compare the moved state of every transition (small models: tests)
-    explore: float = 0.005  # share of the run's time trial moves to layouts not run yet may risk (0: none)
+    explore: float = 0.0  # share of the run's time trial moves to layouts not run yet may risk (0: no trials; e.g. 0.005)
 
 
 Tracker = Literal["console", "tensorboard", "wandb", "mlflow"]

@@ -7,11 +7,12 @@ Triggers, checked before every step:
   memory budget;
 - ``world`` (urgent): the number of ranks changed;
 - ``drift:<signal>``: a watched signal moved more than ``drift`` (relative) since the last
-  replan. Signals: the mean and the longest response length, and each model-stage's share
-  of the measured step time. After every replan, admitted or not, the references reset —
+  replan. Signals: the mean and the longest response length, the measured step's seconds
+  (a plan that slows as the work grows), and each model-stage's share of the measured step
+  time. After every replan, admitted or not, the references reset —
   before the replan is priced, so that a decision that raises does not fire again on the
   next step nor count a one-step gap (the drift it saw is then absorbed: the failure is
-  logged by ``Controller.failed``, and the next drift from the new references fires); on the first measured step of a new plan the shares
+  logged by ``Controller.failed``, and the next drift from the new references fires); on the first measured step of a new plan the step's seconds and the shares
   rebase (``DriftWatch.rebase``: the move itself changed them, which is no drift of the
   work, and would otherwise trigger the next decision and shorten H with a one-step gap);
 - ``first``: the first step observed (``Controller``): the running plan was planned before
@@ -58,9 +59,9 @@ predicted) stays untried by the rule above, and the model never learns it: what 
 gets wrong about layouts it has not run (the job's measured error on each layout's first
 step, ``evidence.LayoutEvidence.unseen``) is as likely to hide a faster plan as a slower one.
 A trial moves to the plan whose layouts not yet run are fastest at the model's prediction
-less that error (L_hope), measures it for a step, and moves back unless it is faster
-(``trial``): admitted if L_hope < L_old and its risk — the move, the move back and a slower
-step, r = L_tran + L_back + max(0, L_new − L_old) — is within γ·h·(L_old − L_hope) and within
+less that error (L_hope), measures it for a few steps k, and moves back unless it is faster
+(``trial``): admitted if L_hope < L_old and its risk — the move, the move back and k slower
+steps, r = L_tran + L_back + k·max(0, L_new − L_old) — is within γ·h·(L_old − L_hope) and within
 what the job's exploration may still spend (``controller.explore`` × the run's time so far
 and to come, less what trials spent). Each trial measures a layout: its correction and band
 replace the model's guess, and the calibration sees one more layout.
@@ -161,18 +162,18 @@ def difference_spread(old: dict[str, float], new: dict[str, float], band: float,
 
 
 def trial(*, old_seconds: float, optimistic_seconds: float, new_seconds: float, there_seconds: float, back_seconds: float,
-          horizon: float, steps_left: int, gamma: float, allowance: float) -> tuple[bool, str]:
+          horizon: float, steps_left: int, gamma: float, allowance: float, steps: int = 1) -> tuple[bool, str]:
     """(admitted, reason) of a trial move: to a plan with a layout the job has not run, whose
-    gain the model cannot vouch for (it is within σ), to measure it (module docstring,
-    "Trials"). ``optimistic_seconds``: the plan with each layout not yet run at the model's
-    prediction less the model's error on unseen layouts; ``allowance``: what the job's
+    gain the model cannot vouch for (it is within σ), to measure it for ``steps`` steps (module
+    docstring, "Trials"). ``optimistic_seconds``: the plan with each layout not yet run at the
+    model's prediction less the model's error on unseen layouts; ``allowance``: what the job's
     exploration may still spend, seconds."""
     h = max(min(horizon, steps_left), 0.0)
     hope = old_seconds - optimistic_seconds
-    risk = there_seconds + back_seconds + max(0.0, new_seconds - old_seconds)  # the move, the move back, a slower step
+    risk = there_seconds + back_seconds + steps * max(0.0, new_seconds - old_seconds)  # the move, the move back, slower steps
     if not hope > 0:
         return False, f"no trial: even at the model's unseen error the plan is not faster ({optimistic_seconds:.4g} s vs {old_seconds:.4g} s)"
-    if not h > 1:
+    if not h > steps:
         return False, "no trial: no step left to use what it would show"
     if not risk <= allowance:
         return False, f"no trial: its risk {risk:.4g} s is over what exploration may still spend ({allowance:.4g} s)"

@@ -12,10 +12,12 @@ their features, and
   run (a linear fit shared by every layout leaves a bias per layout; the world's and the
   hardware's kernels are not the model's). The search prices that layout's candidates ×
   the correction (``StepTimeModel.corrections``); a layout never run is priced as the model says;
-- the layout's **band**: the RMS of its out-of-sample errors once corrected (the prediction
-  made before the step, with the correction of the steps before), blended with the unseen
-  band by one pseudo-sample: it shrinks as the layout's steps agree with it;
-- the **unseen band**: the RMS of the model's error on the first step of every layout it
+- the layout's **band**: the spread (``spread``: robust, a straggler's step moves it little) of
+  its out-of-sample errors once corrected (the prediction made before the step, with the
+  correction of the steps before), with one pseudo-sample of the same spread over every layout
+  run (``seen``): one measured step anchors a layout's correction, and what its next steps err
+  by is what the other layouts' did;
+- the **unseen band**: the spread of the model's error on the first step of every layout it
   entered (out of sample: no correction yet), with ``UNSEEN_PRIOR`` as two pseudo-samples
   until layouts were entered: what the model gets wrong about a layout it has not run.
 """
@@ -40,6 +42,16 @@ MIN_BAND = 0.02
 """The smallest band of a layout, however well its steps agree (the steps' own noise)."""
 FIRST_ERRORS = 32
 """First-step errors of entered layouts the unseen band is the RMS of (the latest)."""
+
+
+NORMAL = 1.4826
+"""σ ÷ the median magnitude of a normal law's draws."""
+
+
+def spread(errors) -> float:
+    """A robust scale of relative errors: ``NORMAL`` × the median of their magnitudes (σ for
+    a normal law; a straggler's step, a one-off, moves it little), 0 for none."""
+    return NORMAL * float(np.median(np.abs(errors))) if len(errors) else 0.0
 
 
 def layout_key(sc: StageConfig, nproc: int) -> StageConfig:
@@ -84,14 +96,20 @@ class LayoutEvidence:
     @property
     def unseen(self) -> float:
         """The unseen band (module docstring)."""
-        return math.sqrt((2 * UNSEEN_PRIOR**2 + sum(e * e for e in self.first)) / (2 + len(self.first)))
+        return spread([UNSEEN_PRIOR / NORMAL, UNSEEN_PRIOR / NORMAL, *self.first])  # the prior as two errors of its spread
+
+    @property
+    def seen(self) -> float:
+        """The spread of every run layout's out-of-sample errors once corrected (``MIN_BAND``
+        before any): what a layout's next step errs by once one step of it was measured."""
+        errors = [e for v in self.errors.values() for e in v]
+        return max(MIN_BAND, spread(errors)) if errors else MIN_BAND
 
     def band(self, key: str, layout: StageConfig) -> float:
         """A layout's band (module docstring); the unseen band for one never run."""
         if (key, layout) not in self.samples:
             return self.unseen
-        errors = self.errors.get((key, layout), ())
-        return max(MIN_BAND, math.sqrt((self.unseen**2 + sum(e * e for e in errors)) / (1 + len(errors))))
+        return max(MIN_BAND, spread([self.seen / NORMAL, *self.errors.get((key, layout), ())]))
 
     def state_dict(self) -> dict:
         """JSON: every record, layouts as their stage-config dicts."""

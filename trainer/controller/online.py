@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections import deque
@@ -36,7 +37,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from ..config import ConfigError, JobConfig, PlanConfig, config_to_dict
+from ..config import ConfigError, JobConfig, PlanConfig, build_tree, config_to_dict
 from .admission import Decision, DriftWatch, admit, difference_spread, trial
 from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
@@ -51,6 +52,8 @@ from .workload import Workload
 
 MIN_BAND = 0.05
 """The smallest error band used, however well the step-time model has fitted so far."""
+TRIAL_STEPS = 3
+"""Measured steps of a tried plan before it is judged against the plan it left (``_judge_trial``)."""
 UNSEEN_MARGIN = 0.25
 """A class of training layouts (``classes.rank_class``) the job has not run yet is priced at
 the largest correction measured plus this share of the model's peak: FSDP2's, TP's and PP's
@@ -211,8 +214,9 @@ class Controller:
         if not self.lengths:
             return {}
         out = {"response_max": float(self.lengths[-1][0]), "response_mean": self.lengths[-1][1]}
-        if metrics:  # the shares of the step of the model-stages that matter (10% or more)
+        if metrics:  # the step's seconds, and the shares of the step of the model-stages that matter (10% or more)
             total = sum(r["seconds"] for r in metrics["stages"].values()) or 1.0
+            out["step_seconds"] = total
             out.update({f"share:{name}": r["seconds"] / total for name, r in metrics["stages"].items()
                         if name in cfg.plan.stages() and r["seconds"] >= 0.1 * total})
         return out
@@ -279,11 +283,11 @@ class Controller:
         signals = self.signals(cfg, metrics)
         first = bool(signals) and not self.watch.reference  # the first step seen: the plan was made for no observed work
         if metrics is not None and plan_key(cfg.plan) != self.watched:  # the first measured step of a new plan
-            self.watch.rebase({k: v for k, v in signals.items() if k.startswith("share:")}, self.step)
+            self.watch.rebase({k: v for k, v in signals.items() if k.startswith("share:") or k == "step_seconds"}, self.step)
             self.watched = plan_key(cfg.plan)
         drifted = self.watch.check(self.step, signals)
         triggers += [f"drift:{name}" for name in drifted] + (["first"] if first else [])
-        if self.trial is not None and metrics is not None and self.step > self.trial["step"]:  # the tried plan's step measured
+        if self.trial is not None and metrics is not None and self.step >= self.trial["step"] + TRIAL_STEPS:  # its steps measured
             triggers.append("trial")
         return triggers, urgent, signals, drifted
 
@@ -377,7 +381,7 @@ class Controller:
         allowance = self.settings.explore * (self.run_seconds + steps_left * old) - self.explored
         ok, reason = trial(old_seconds=old, optimistic_seconds=hope, new_seconds=choice.seconds, there_seconds=there.seconds,
                            back_seconds=back.seconds, horizon=common["horizon"], steps_left=steps_left, gamma=self.settings.gamma,
-                           allowance=allowance)
+                           allowance=allowance, steps=TRIAL_STEPS)
         if not ok:
             return None
         self.trial = {"origin": common["old_plan"], "step": self.step}
@@ -389,30 +393,26 @@ class Controller:
 
     def _judge_trial(self, cfg: JobConfig, common: dict, ahead: Workload, where: Placement, budget: float | None,
                      t0: float) -> Decision | None:
-        """After a trial plan's first measured step: the move back to the plan it left when that
-        is faster on what was measured of both (``admission.admit`` with both sides' bands; the
-        tried plan then stays out for the hysteresis), else None (the trial is kept). Either way
-        the trial ends, and a slower step is charged to exploration."""
-        from ..config import PlanConfig as _Plan
-        from ..config import build_tree
-
-        origin = build_tree(_Plan, self.trial["origin"], "plan.")
+        """After a trial plan's first ``TRIAL_STEPS`` measured steps: the move back to the plan it
+        left unless the tried plan is faster on what was measured of both, by more than the mean
+        of its steps errs by (``LayoutEvidence.seen`` / √TRIAL_STEPS: a step is noisy — a
+        straggler's step is half again as slow — and the plan it left is known); the move back
+        was in the trial's risk, and the tried plan then stays out for the hysteresis. None: the
+        trial is kept (or its way back does not fit the memory). Either way the trial ends, and
+        the slower steps are charged to exploration."""
+        origin = build_tree(PlanConfig, self.trial["origin"], "plan.")
         self.trial = None
-        back = plan_seconds(cfg, origin, ahead, where, self.model)
-        old, new = common["old_seconds"], sum(back.values())
-        self.explored += max(0.0, old - new)
-        changed = {k for k, sc in origin.stages().items() if cfg.plan.stages().get(k) != sc}
-        cost = self.transitions.cost(cfg, cfg.plan, origin, budget=int(budget) if budget else None)
-        spread = difference_spread(plan_seconds(cfg, cfg.plan, ahead, where, self.model), back, self.band, changed,
-                                   bands=self.stage_bands(cfg.plan, cfg.nproc), new_bands=self.stage_bands(origin, cfg.nproc))
-        ok, reason = admit(urgent=False, old_seconds=old, new_seconds=new, transition_seconds=cost.seconds, horizon=common["horizon"],
-                           steps_left=max(cfg.steps - self.step, 0), spread=spread, gamma=self.settings.gamma, recently_left=False)
-        if not ok:
+        old, new = common["old_seconds"], sum(plan_seconds(cfg, origin, ahead, where, self.model).values())
+        self.explored += TRIAL_STEPS * max(0.0, old - new)
+        moving = self._move_peak(cfg, origin) if budget is not None else None
+        kept = old < new * (1 - self.evidence.seen / math.sqrt(TRIAL_STEPS))  # faster beyond what its steps' noise errs by
+        if kept or (moving is not None and moving * HEADROOM > budget) or self._peak(cfg, origin, ahead) > (budget or math.inf):
             return None
+        cost = self.transitions.cost(cfg, cfg.plan, origin, budget=int(budget) if budget else None)
         self.explored += cost.seconds
         self.left[plan_key(cfg.plan)] = self.step
-        self._pend(cfg, origin, cost, None)
-        return Decision(**common, admitted=True, reason=f"trial ended: the plan it left is faster measured; {reason}",
+        self._pend(cfg, origin, cost, moving)
+        return Decision(**common, admitted=True, reason=f"trial ended: the tried plan is not faster measured ({old:.4g} s vs {new:.4g} s for the plan it left)",
                         new_plan=config_to_dict(origin), new_seconds=new, gain_seconds=old - new, transition_seconds=cost.seconds,
                         decision_ms=(time.perf_counter() - t0) * 1e3)
 

@@ -104,10 +104,10 @@ def test_a_decision_that_raises_does_not_fire_again_nor_shorten_the_horizon(monk
 def test_the_band_of_a_stage_is_its_own_layouts_error_not_the_steps():
     """actor.train predicted 30% low and ref.infer + actor.gen high so that the step's total
     is nearly right: the step's band stays at its floor, actor.train's layout's band is its
-    own 30% (blended with the unseen band by one pseudo-sample), and a change of actor.train
+    own 30% (blended by one pseudo-sample with every layout's), and a change of actor.train
     is charged it (the step's band would charge 5%). The first step of each layout is the
     model's error on a layout it had not run: the unseen band, with its prior."""
-    from nereus.trainer.controller.evidence import UNSEEN_PRIOR
+    from nereus.trainer.controller.evidence import NORMAL, UNSEEN_PRIOR, spread
 
     cfg = tiny("controller.calibrate=false")  # the priors' predictions, the same every step
     probe = Controller(cfg, CPU)
@@ -123,12 +123,14 @@ def test_the_band_of_a_stage_is_its_own_layouts_error_not_the_steps():
     gen_p = predicted["actor.gen"] + predicted["sync.actor.gen"]
     gen_m = measured["actor.gen"] + measured["sync.actor.gen"]
     errors = {"actor.train": -0.3 / 1.3, "ref.infer": (up / rest) / (1 - up / rest), "actor.gen": (gen_p - gen_m) / gen_m}
-    unseen = ((2 * UNSEEN_PRIOR**2 + sum(e * e for e in errors.values())) / (2 + 3)) ** 0.5  # each layout's first step
+    unseen = spread([UNSEEN_PRIOR / NORMAL, UNSEEN_PRIOR / NORMAL, *errors.values()])  # each layout's first step
     assert ctl.evidence.unseen == pytest.approx(unseen, rel=1e-9)
     bands = ctl.stage_bands(cfg.plan, cfg.nproc)
     assert set(bands) == {"actor.gen", "actor.train", "ref.infer"}  # the weight sync is its stage's, as search sums it
-    for key, e in errors.items():  # steps 2-5: four errors of the layout's own, one pseudo-sample of the unseen band
-        assert bands[key] == pytest.approx(max(0.02, ((unseen**2 + 4 * e * e) / 5) ** 0.5), rel=1e-9), key
+    seen = spread([e for e in errors.values() for _ in range(4)])  # every run layout's errors, steps 2-5
+    for key, e in errors.items():  # steps 2-5: four errors of the layout's own, one pseudo-sample of every layout's
+        assert bands[key] == pytest.approx(max(0.02, spread([seen / NORMAL, e, e, e, e])), rel=1e-9), key
+    assert bands["actor.train"] == pytest.approx(1.4826 * 0.3 / 1.3, rel=1e-9)  # its own error, the median of five
     old, new = {"actor.train": 10.0, "actor.gen": 5.0}, {"actor.train": 8.0, "actor.gen": 5.0}
     assert difference_spread(old, new, ctl.band, bands=bands) == pytest.approx(bands["actor.train"] * (100 + 64) ** 0.5)
     assert difference_spread(old, new, ctl.band, bands=bands) > 4 * difference_spread(old, new, ctl.band)
@@ -149,7 +151,7 @@ def test_a_decision_charges_each_changed_stage_its_own_band(monkeypatch):
     a layout the job has not run), measured on this job."""
     from nereus.trainer.config import PlanConfig, build_tree
 
-    cfg = tiny("controller.explore=0")  # admission alone: no trial
+    cfg = tiny()
     ctl = Controller(cfg, CPU)
     ctl.observe(cfg, metrics(1, SECONDS))
     seen = []

@@ -1,13 +1,11 @@
 """What the controller learns from the layouts it runs, and when it tries one it has not run (pure)."""
 
-import math
-
 import numpy as np
 import pytest
 from nereus.trainer.config import StageConfig
 from nereus.trainer.controller.admission import trial
 from nereus.trainer.controller.classes import fit_memory
-from nereus.trainer.controller.evidence import LAYOUT_STEPS, MIN_BAND, UNSEEN_PRIOR, LayoutEvidence, layout_key
+from nereus.trainer.controller.evidence import LAYOUT_STEPS, MIN_BAND, NORMAL, UNSEEN_PRIOR, LayoutEvidence, layout_key, spread
 
 A = layout_key(StageConfig(dp=4), 4)
 B = layout_key(StageConfig(dp=2, tp=2, micro_batch_size=8), 4)
@@ -15,27 +13,32 @@ B = layout_key(StageConfig(dp=2, tp=2, micro_batch_size=8), 4)
 
 def test_a_layout_is_priced_at_what_its_steps_measured_and_its_band_shrinks_as_they_agree():
     """The correction is the median of measured ÷ predicted over the layout's last steps (one
-    outlier does not move it); its band is the RMS of its out-of-sample errors, with the
-    unseen band as one pseudo-sample; the first step of a layout is the model's error on a
+    outlier does not move it); its band is the robust spread (1.4826 × the median magnitude) of
+    its out-of-sample errors, with every run layout's spread (``seen``) as one pseudo-sample, so
+    one straggler's step barely moves it; the first step of a layout is the model's error on a
     layout it had not run (the unseen band, with two pseudo-samples of the prior)."""
     coef = np.array([1.0, 2.0])
     ev = LayoutEvidence()
-    assert ev.unseen == UNSEEN_PRIOR and ev.band("actor.train", A) == UNSEEN_PRIOR and not ev.measured("actor.train", A)
+    assert ev.unseen == pytest.approx(UNSEEN_PRIOR) and ev.band("actor.train", A) == ev.unseen
+    assert not ev.measured("actor.train", A) and ev.seen == MIN_BAND
     f = np.array([1.0, 0.5])  # predicted 2 s by coef
-    measured = [3.0, 3.0, 30.0, 3.0]  # 1.5× the model, one outlier
-    predicted = [2.0, 3.0, 3.0, 3.0]  # as the controller priced each step: the first without a correction
+    measured = [3.0, 3.0, 30.0, 3.0, 3.3]  # 1.5× the model, one outlier, one step 10% slow
+    predicted = [2.0, 3.0, 3.0, 3.0, 3.0]  # as the controller priced each step: the first without a correction
     for m, p in zip(measured, predicted):
         ev.observe("actor.train", A, f, m, p)
     assert ev.measured("actor.train", A) and ev.corrections(coef) == {"actor.train": {A: 1.5}}
     first = (2.0 - 3.0) / 3.0
-    unseen = math.sqrt((2 * UNSEEN_PRIOR**2 + first**2) / 3)
-    assert ev.unseen == pytest.approx(unseen)
-    errors = [0.0, (3.0 - 30.0) / 30.0, 0.0]
-    assert ev.band("actor.train", A) == pytest.approx(math.sqrt((unseen**2 + sum(e * e for e in errors)) / 4))
+    assert ev.unseen == pytest.approx(spread([UNSEEN_PRIOR / NORMAL, UNSEEN_PRIOR / NORMAL, first])) == pytest.approx(UNSEEN_PRIOR)
+    errors = [0.0, (3.0 - 30.0) / 30.0, 0.0, (3.0 - 3.3) / 3.3]
+    assert ev.seen == pytest.approx(max(MIN_BAND, 1.4826 * float(np.median(np.abs(errors)))))
+    assert ev.band("actor.train", A) == pytest.approx(max(MIN_BAND, spread([ev.seen / NORMAL, *errors])))
+    assert ev.band("actor.train", A) < 0.1  # the outlier (−90%) is one of five
+    ev.observe("actor.train", B, f, 2.0, 2.0)  # one step of another layout: its band is what the others' steps erred by
+    assert ev.band("actor.train", B) == pytest.approx(ev.seen)
     for _ in range(3 * LAYOUT_STEPS):  # steps that agree with the correction: the band falls to its floor
         ev.observe("actor.train", A, f, 3.0, 3.0)
-    assert ev.band("actor.train", A) == pytest.approx(max(MIN_BAND, unseen / math.sqrt(1 + 2 * LAYOUT_STEPS)))
-    assert ev.band("actor.train", B) == ev.unseen  # another layout: the model's error on layouts not run
+    assert ev.band("actor.train", A) == MIN_BAND
+    assert ev.band("critic.train", A) == ev.unseen  # a layout not run: the model's error on layouts not run
     again = LayoutEvidence()
     again.load_state_dict(ev.state_dict())
     assert again.corrections(coef) == ev.corrections(coef) and again.band("actor.train", A) == ev.band("actor.train", A)

@@ -243,14 +243,10 @@ def test_greedy_decides_every_step(small_result):
 def test_under_constant_lengths_a_move_does_not_trigger_the_next_decision(tmp_path):
     """Constant responses: the first step triggers a search and a move; the move changes the
     stage shares itself, which the watch rebases on the new plan's first measured step — no
-    later decision (without the rebase: a ``drift:share`` decision at step 2). Trials off: a
-    trial's next step is a decision of its own (``test_trials``)."""
-    import dataclasses
-
+    later decision (without the rebase: a ``drift:share`` decision at step 2)."""
     from nereus.trainer.simulate.traces import generate, load_trace_spec
 
     cluster, job = load_cluster(CLUSTER), load_job(JOB)
-    job = dataclasses.replace(job, controller={**(job.controller or {}), "explore": 0.0})
     spec = load_trace_spec({"name": "flat", "steps": 30, "lengths": {"kind": "constant", "start": 1500}})
     trace = generate(spec, rows=job.rows, cap=job.response.max, devices=cluster.devices, per_node=cluster.per_node)
     r = simulate(cluster, job, trace, policies=("adaptive",), run_dir=str(tmp_path))

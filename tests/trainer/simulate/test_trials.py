@@ -12,25 +12,28 @@ def _decisions(run_dir):
 
 def test_a_trial_is_judged_on_its_first_measured_step_and_a_move_back_returns_to_the_plan_it_left(small, tmp_path):
     """Every admitted trial (``admission.trial``) at step s is followed by the decision of
-    step s + 1 with the ``trial`` trigger; where that decision moves back, it moves to exactly
-    the plan the trial left. With ``controller.explore: 0`` there is no trial."""
+    step s + ``TRIAL_STEPS`` with the ``trial`` trigger (or a move before it); where that
+    decision moves back, it moves to exactly the plan the trial left. With
+    ``controller.explore: 0`` (the default) there is no trial."""
     import dataclasses
 
+    from nereus.trainer.controller.online import TRIAL_STEPS
+
     cluster, job, trace = small
-    simulate(cluster, job, trace, policies=("adaptive",), run_dir=str(tmp_path / "on"))
+    on = dataclasses.replace(job, controller={**(job.controller or {}), "explore": 0.005})
+    simulate(cluster, on, trace, policies=("adaptive",), run_dir=str(tmp_path / "on"))
     decisions = _decisions(tmp_path / "on")
     trials = [d for d in decisions if d["admitted"] and d["reason"].startswith("trial: ")]
     assert trials, "no trial on this trace: the test shows nothing"
     by_step = {d["step"]: d for d in decisions}
     for t in trials:
-        judged = by_step.get(t["step"] + 1)
-        if t["step"] + 1 >= len(trace):
-            continue
+        if t["step"] + TRIAL_STEPS >= len(trace) or any(by_step.get(t["step"] + k, {}).get("admitted") for k in range(1, TRIAL_STEPS)):
+            continue  # no step left to judge it, or an urgent move came first
+        judged = by_step.get(t["step"] + TRIAL_STEPS)
         assert judged is not None and "trial" in judged["trigger"].split(","), t
         if judged["admitted"] and judged["reason"].startswith("trial ended"):
             assert judged["new_plan"] == t["old_plan"]
-    off = dataclasses.replace(job, controller={**(job.controller or {}), "explore": 0.0})
-    simulate(cluster, off, trace, policies=("adaptive",), run_dir=str(tmp_path / "off"))
+    simulate(cluster, job, trace, policies=("adaptive",), run_dir=str(tmp_path / "off"))
     assert not any("trial" in d["trigger"] or d["reason"].startswith("trial") for d in _decisions(tmp_path / "off"))
 
 
