@@ -475,6 +475,7 @@ class Stager:
         self.last: dict = {}
         self._submitted = 0.0
         self._done = 0.0
+        self._waited = 0.0  # seconds ``wait`` waited for the write in flight since the last ``stage``
         self.enabled = True
         self.refused: str | None = None
         world = dist.get_world_size()
@@ -534,6 +535,7 @@ class Stager:
             self._failed(e)
             return
         t1 = time.perf_counter()
+        waited, self._waited = self._waited + (t1 - t0), 0.0
         state = {**state, "node": {"ranks": list(self.node), "world": sum(map(len, self.nodes))}}
         mark("stage", "start", step, self.rank)  # NEREUS_PHASE_LOG only (tools/bench_faults.py)
         future = self.saver.save(step, emus, buffers, rank=self.rank, state=state, plan=plan)
@@ -544,7 +546,23 @@ class Stager:
             mark("stage", "end", step, self.rank)
 
         future.add_done_callback(done)
-        self.last = {"step": step, "wait_s": t1 - t0, "copy_s": self._submitted - t1}
+        self.last = {"step": step, "wait_s": waited, "copy_s": self._submitted - t1}
+
+    def wait(self) -> None:
+        """Wait until the write in flight (the last step's staging) has committed: the step
+        loop calls it before it logs the next step, so that no step is logged before the one
+        before it is staged, and a kill re-runs at most the step it interrupted (a write that
+        outlasts a step would otherwise leave two). A failed write turns staging off, as in
+        ``stage``; the time waited joins the next staging's ``wait_s``."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.saver.wait()
+        except Exception as e:  # noqa: BLE001 - as in stage: staging stops, training goes on
+            self._failed(e)
+            return
+        self._waited += time.perf_counter() - t0
 
     def _failed(self, e: Exception) -> None:
         """A staging write failed (every rank): off for the rest of the run; the partial data

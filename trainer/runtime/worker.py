@@ -210,8 +210,10 @@ class _Loop:
         if every and (trainer.step % every == 0 or trainer.step == cfg.steps):
             metrics.update(trainer.validate())
         metrics["held_bytes"] = gather_held(trainer)  # what the controller's move, or the next step, starts from
-        if self.stager is not None and self.stager.figures():  # the previous step's staging, whose write overlapped this step
-            metrics["staging"] = self.stager.figures()
+        if self.stager is not None:
+            self.stager.wait()  # the previous step is staged before this one is logged: a kill re-runs at most one step
+            if self.stager.figures():  # the previous step's staging, whose write overlapped this step
+                metrics["staging"] = self.stager.figures()
         if self.log:
             self.log.write(metrics)
         if self.record is not None and trainer.rank == 0:  # the first step after a restore completed

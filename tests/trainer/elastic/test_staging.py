@@ -5,6 +5,7 @@ leaving the last committed state usable."""
 import os
 import pickle
 import signal
+import time
 from dataclasses import replace
 
 import pytest
@@ -722,3 +723,30 @@ def test_a_first_start_checks_the_staging_bases_parents_not_a_dir_named_by_the_p
 
     with pytest.raises(typer.Exit):
         preflight(cfg, max_restarts=1)
+
+
+def test_a_step_is_logged_only_once_the_step_before_it_is_staged():
+    """``Stager.wait`` (which the step loop calls before it logs a step) waits for the write in
+    flight; the time joins the next staging's ``wait_s``; a write that failed turns staging
+    off on this rank, as ``stage`` does."""
+    from nereus.trainer.elastic.staging import Stager
+
+    class Saver:
+        def __init__(self, error=None):
+            self.waits, self.error = 0, error
+
+        def wait(self):
+            self.waits += 1
+            time.sleep(0.05)
+            if self.error:
+                raise self.error
+
+    stager = Stager.__new__(Stager)  # the step loop's view: no process group needed for wait()
+    stager.enabled, stager.saver, stager._waited, stager.last, stager.rank = True, Saver(), 0.0, {}, 1
+    stager.wait()
+    assert stager.saver.waits == 1 and stager._waited >= 0.05 and stager.enabled
+    stager.saver, stager.root = Saver(OSError("tmpfs full")), "/nonexistent-staging-root"
+    stager.wait()
+    assert not stager.enabled and stager.last["failed"] == "OSError: tmpfs full"
+    stager.wait()  # off: no wait at all
+    assert stager.saver.waits == 1
