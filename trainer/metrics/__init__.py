@@ -5,4 +5,5 @@
 - ``log``       ``RUN_DIR/metrics.jsonl``, one JSON object per step, and the trackers it feeds
 - ``trackers``  console, TensorBoard, wandb, MLflow (rank 0)
 - ``report``    ``nereus report RUN_DIR``: plots and a Markdown summary of a run
+- ``probes``    opt-in reference probes (a fixed GEMM, eager ops, an all-reduce): the machine's load per step
 """
