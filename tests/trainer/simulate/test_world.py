@@ -178,6 +178,26 @@ def test_a_pipeline_gets_at_least_pp_packs_as_the_trainer_cuts_them(pp, rows, pa
     assert bt.tokens[0] == pytest.approx(rows * float(lengths.row_mean[0]) / packs)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 64])
+def test_memory_holds_the_fullest_pack_the_time_the_mean_one(rows):
+    """Packed rows (a token budget B): the step's time runs the mean pack, but some replica's
+    pack holds the step's longest row, so the memory a rank must hold is the fullest pack's,
+    min(B, max(mean pack, W)) tokens — a replica of one row holds its row alone, which may be
+    the longest (W = prompt + longest response), not a mean one."""
+    from nereus.trainer.config import StageConfig
+    from nereus.trainer.simulate.world.shapes import Work
+    from nereus.trainer.simulate.world.stages import batching
+
+    lengths = Lengths.of([Work(batch=rows, prompt=512, prompt_mean=400.0, response_max=2048, response_mean=1000.0, minibatch=rows, epochs=1)])
+    budget = 4096
+    bt = batching(StageConfig(micro_batch_tokens=budget), rows, lengths)
+    width, mean_pack = float(lengths.width[0]), float(bt.tokens[0])
+    assert bt.peak[0] == pytest.approx(min(budget, max(mean_pack, width)))
+    assert bt.peak[0] >= min(budget, width) and (rows > 1 or mean_pack == pytest.approx(400.0 + 1000.0))
+    plain = batching(StageConfig(micro_batch_size=rows), rows, lengths)
+    assert plain.peak[0] == plain.tokens[0] == rows * width  # padded rows: every micro-batch is as wide as the step
+
+
 def test_fsdp_state_per_rank_falls_with_dp():
     w = World.from_file("h100", seed=0, noise=False)
     peaks, shape = [], None

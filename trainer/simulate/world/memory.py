@@ -8,7 +8,8 @@ weights (÷ dp under FSDP). While a stage runs, its transients come on top:
 
 - training: fp32 gradients; DDP's two buckets in flight, or FSDP's unsharded blocks
   (``fsdp_prefetch_layers``, weights and gradients) and root unit; activations of the
-  micro-batches in flight on pipeline stage j under 1F1B, min(n, pp − j), each m tokens ×
+  micro-batches in flight on pipeline stage j under 1F1B, min(n, pp − j), each m tokens (the
+  fullest micro-batch's: ``stages.batching``'s ``peak``, the longest row's pack) ×
   per block (4h + 2q/t + 2kv/t + 4i/t) elements kept (norm inputs and outputs, q, k, v,
   attention output, gate, up, SwiGLU output, the product) — a checkpointed block keeps its
   input alone, and one block's are rebuilt at a time in backward — plus, without fused
@@ -85,7 +86,7 @@ def train_transient(sc: StageConfig, shape: ModelShape, lengths: Lengths, flash:
     b, t, fsdp = shape.nbytes, sc.tp, sc.dp_shard and sc.dp > 1
     layers, ck, e = shape.stage_layers(sc.pp), shape.checkpointed(sc.pp, sc.recompute), shape.rank_elements(t, sc.pp)
     token = _per_token(shape, t) * b
-    scores = 0.0 if flash else shape.heads / t * bt.seq * 4
+    scores = 0.0 if flash else shape.heads / t * lengths.width * 4  # the fullest micro-batch's longest row
     out = []
     for j in range(sc.pp):
         grads = e[j] * 4 / (sc.dp if fsdp else 1)
@@ -97,8 +98,8 @@ def train_transient(sc: StageConfig, shape: ModelShape, lengths: Lengths, flash:
         inflight = np.minimum(bt.count, sc.pp - j)
         kept = (layers[j] - ck[j]) * (token + scores) + ck[j] * shape.hidden * b
         rebuilt = (token + scores) if ck[j] else 0.0
-        act = inflight * bt.tokens * kept + bt.tokens * rebuilt
-        logits = _logits(shape, t, bt.tokens) if j == sc.pp - 1 else 0.0
+        act = inflight * bt.peak * kept + bt.peak * rebuilt
+        logits = _logits(shape, t, bt.peak) if j == sc.pp - 1 else 0.0
         out.append(grads + comm + act + logits)
     return out
 
@@ -107,10 +108,10 @@ def infer_transient(sc: StageConfig, shape: ModelShape, lengths: Lengths, flash:
     rows = max(1, math.ceil(lengths.batch / sc.dp))
     bt = batching(sc, rows, lengths)
     t, b = sc.tp, shape.nbytes
-    scores = 0.0 if flash else bt.attended * shape.heads / t * 4
+    scores = 0.0 if flash else bt.peak * lengths.width * shape.heads / t * 4
     gathered = prefetch * shape.layer_elements(t) * b if sc.dp_shard and sc.dp > 1 else 0.0
-    block = bt.tokens * _scratch(shape, t) * b + scores + gathered
-    return [block + (_logits(shape, t, bt.tokens) if j == sc.pp - 1 else 0.0) for j in range(sc.pp)]
+    block = bt.peak * _scratch(shape, t) * b + scores + gathered
+    return [block + (_logits(shape, t, bt.peak) if j == sc.pp - 1 else 0.0) for j in range(sc.pp)]
 
 
 def gen_transient(sc: StageConfig, shape: ModelShape, lengths: Lengths) -> list:

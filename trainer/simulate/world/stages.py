@@ -5,7 +5,9 @@ micro-batches of rows padded to the step's width W: m = rows_mb·W tokens, atten
 Σ L² = rows_mb·W². With ``micro_batch_tokens`` = B, rows keep their real length and are
 packed first-fit into ⌈real / (B − row/2)⌉ packs (a pack wastes half a row on average), at
 least min(pp, rows) under a pipeline (the trainer's rule: every stage needs micro-batches):
-m = real / packs, attention over each row alone (varlen kernels), Σ L² = rows_mb·E[L²].
+m = real / packs, attention over each row alone (varlen kernels), Σ L² = rows_mb·E[L²]. The
+time is the packs' mean; the memory the fullest pack's: the step's longest row lands in some
+replica's pack (alone in a replica of one row), min(B, max(m, W)) tokens.
 
 One micro-batch on pipeline stage j (layers_j blocks, the embedding on the first, the head
 on the last), per block:
@@ -78,6 +80,7 @@ class Batching:
     tokens: np.ndarray  # tokens per micro-batch (GEMMs' m)
     attended: np.ndarray  # Σ L² of a micro-batch
     seq: np.ndarray  # a sequence's length (attention efficiency)
+    peak: np.ndarray  # tokens of the fullest micro-batch (what a rank holds at once: the memory's m)
 
 
 def batching(sc: StageConfig, rows: int, lengths: Lengths) -> Batching:
@@ -88,11 +91,14 @@ def batching(sc: StageConfig, rows: int, lengths: Lengths) -> Batching:
         count = np.maximum(1.0, np.minimum(rows, np.ceil(real / np.maximum(sc.micro_batch_tokens - row / 2, row))))
         if sc.pp > 1:  # the trainer cuts at least pp packs for a pipeline, where the rows allow
             count = np.maximum(count, min(sc.pp, rows))
-        return Batching(count=count, tokens=real / count, attended=rows / count * lengths.row_sq_mean, seq=np.sqrt(lengths.row_sq_mean))
+        # the fullest pack: the step's longest row is in some replica's pack (a replica of one row holds it alone)
+        peak = np.minimum(sc.micro_batch_tokens, np.maximum(real / count, lengths.width))
+        return Batching(count=count, tokens=real / count, attended=rows / count * lengths.row_sq_mean, seq=np.sqrt(lengths.row_sq_mean),
+                        peak=peak)
     n = sc.micro_batches(rows)
     width = lengths.width
     per = rows / n
-    return Batching(count=np.full(len(lengths), float(n)), tokens=per * width, attended=per * width * width, seq=width)
+    return Batching(count=np.full(len(lengths), float(n)), tokens=per * width, attended=per * width * width, seq=width, peak=per * width)
 
 
 def block_gemms(s: ModelShape, t: int) -> list[tuple[float, float]]:
