@@ -1,5 +1,5 @@
 """Benchmark: the controller — decision time at scale, calibration on unseen plans, and
-``configs/tiny_grow.yaml`` adaptive against every fixed plan that fits.
+``configs/tiny_wall.yaml`` adaptive against the fixed plans that fit and the per-step oracle.
 
     python tools/bench_controller.py [--out bench_results/controller.json] [--skip-runs]
 
@@ -35,21 +35,30 @@
    fit (the model's structure, no generalisation asked); ``calibration_noise`` — the
    pieces whose layout no step changes (actor.gen, ref.infer, critic.infer), held-out steps
    against seen ones (``--keep-runs DIR`` keeps the jobs' metrics to refit).
-3. **Adaptive vs fixed** (``tiny_grow``): configs/tiny_grow.yaml run with the controller,
-   and with the controller off under every fixed actor.train plan of the controller's own
-   search space without recompute (``search.stage_options``: dp4, dp4 FSDP, each whole, in
-   micro-batches of 32/16/8/4 rows, or packed into budgets of 64/32/16/8/4 longest rows:
-   ``fixed_plans``); a fixed plan counts only if its measured peak stayed within the
-   budget for the whole run. ``adaptive_over_best_fixed`` = the best such fixed plan's
-   mean step seconds ÷ the adaptive run's (bar ≥ 1.15); ``transition_share`` = seconds in
-   transitions ÷ the adaptive run's seconds (bar ≤ 2%). The bound beside them,
-   ``oracle_over_best_fixed``: per step the fastest fixed plan that fits at that step,
-   transitions free — no controller can beat that on this job, so when it is below the
-   bar the bar cannot be met here.
+3. **Adaptive vs fixed** (``tiny_wall``): configs/tiny_wall.yaml, GRPO whose answers grow
+   4 → 160 tokens into a memory wall. The fixed plans are actor.train's retunes in the
+   controller's own search space (``fixed_plans``: whole, or micro-batches of 4/2/1 rows,
+   each without, with selective and with full recompute: 12). They run interleaved inside
+   one job with the controller off (``oracle_job``: a pass over the 12 every 12 steps,
+   each pass starting 2 plans further on, 6 passes over the curriculum stretched to 72
+   steps; ``NEREUS_FORCE_PLAN``), so every plan meets the same load. Per plan, the
+   seconds of the pieces its plan changes (actor.train and its own forward) are fitted
+   on 1, L, L² (``robust_fit``: refitted without the steps 3 robust σ off), the other
+   pieces once over all steps, its peak interpolated in L; at each of the 40 steps of the
+   real run the oracle takes the fastest plan whose peak fits the budget (moves free) and
+   the best fixed plan is the fastest over the run of those that fit every step
+   (``oracle_over_fixed``). ``cpu_oracle_over_best_fixed``: mean over ``ORACLE_REPEATS``
+   jobs (bar ≥ 1.15), ``cpu_oracle_spread`` their max − min. Then the best fixed plan and
+   the controller run the real 40-step job one after the other, ``PAIRED_REPEATS``
+   times: ``adaptive_over_best_fixed`` = the fixed run's seconds ÷ the adaptive run's,
+   transitions included, mean over the pairs (bar ≥ 1.10, issue 29; ``adaptive_fits``:
+   every measured peak within the budget); ``transition_share`` = seconds in transitions
+   ÷ the adaptive runs' seconds (bar ≤ 2%).
 
 The last printed line is one JSON object: ``decision_ms_1024``, ``decision_ms_1024_cold``, ``calibration_error``,
 ``calibration_error_loaded`` (with ``_spread``, ``_raw``, ``calibration_floor``),
-``adaptive_over_best_fixed``, ``transition_share`` and the figures behind them. The
+``cpu_oracle_over_best_fixed`` (with ``cpu_oracle_spread``), ``adaptive_over_best_fixed``,
+``transition_share`` and the figures behind them. The
 machine is shared and noisy: compare the ratios of one run.
 """
 
@@ -78,10 +87,10 @@ from bench_train import LAYOUTS, layout_plan  # noqa: E402 - the same training l
 from nereus.trainer.config.names import ACTOR_GEN, ACTOR_TRAIN, ACTOR_TRAIN_INFER, CRITIC_INFER, CRITIC_TRAIN, CRITIC_TRAIN_INFER, REF_INFER  # noqa: E402
 
 DEVICES = (32, 256, 1024, 4096)
-DECISION_BAR_MS, CALIBRATION_BAR, CALIBRATION_LOADED_BAR, ADAPTIVE_BAR, SHARE_BAR = 50.0, 0.15, 0.20, 1.10, 0.02
+DECISION_BAR_MS, CALIBRATION_BAR, CALIBRATION_LOADED_BAR, ORACLE_BAR, ADAPTIVE_BAR, SHARE_BAR = 50.0, 0.15, 0.20, 1.15, 1.10, 0.02
 LLAMA = ROOT / "configs" / "llama3_8b_ppo.yaml"
 TINY_PPO = ROOT / "configs" / "tiny_ppo.yaml"
-TINY_GROW = ROOT / "configs" / "tiny_grow.yaml"
+TINY_WALL = ROOT / "configs" / "tiny_wall.yaml"
 CALIBRATE = ("dp4", "dp2·tp2", "tp2·pp2")  # bench_train's training layouts (actor.train and critic.train)
 PREDICT = ("dp4 FSDP", "tp4", "dp2·pp2 FSDP")
 CALIBRATE_ON = len(CALIBRATE)
@@ -244,13 +253,8 @@ def calibration_repeat(tmp: str, tag: str, keep: Path | None = None) -> dict:
     if kept is not None and kept.exists():
         lines = [json.loads(x) for x in kept.read_text().splitlines()]
     else:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environment(env):
             lines = run_job(cfg)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         if kept is not None:
             kept.parent.mkdir(parents=True, exist_ok=True)
             kept.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -364,16 +368,145 @@ def run_noise(runs: list[tuple[str, object, list[dict]]]) -> float:
 
 # --------------------------------------------------------------------------- 3. adaptive vs fixed
 
+ORACLE_CYCLES, ORACLE_REPEATS, PAIRED_REPEATS = 6, 3, 2
+
 
 def fixed_plans(cfg) -> list:
-    """actor.train's layouts in the controller's search space (the other stages keep theirs),
-    without activation recompute: on this job it only adds time (a third more training
-    compute) where smaller micro-batches or packs fit as well, and with it the space holds
-    three times as many plans (60) as a benchmark run can afford."""
+    """actor.train's plans in the controller's search space (``search.stage_options``) that
+    keep its starting layout: every micro-batch size and recompute, retuned in place (no
+    state moves, so they interleave inside one job). The other layouts of the space (FSDP,
+    TP, PP) are left out: on this CPU they are slower at every length and no leaner in
+    resident memory (docs/benchmarks.md's table), and a cycle over them all would take four
+    times as long."""
     from nereus.trainer.controller.search import stage_options
     from nereus.trainer.controller.workload import Workload
 
-    return [sc for sc in stage_options(cfg, ACTOR_TRAIN, tuple(range(cfg.nproc)), Workload.from_config(cfg)) if sc.recompute == "none"]
+    start = cfg.plan.actor.train
+    layout = (start.dp, start.tp, start.pp, start.dp_shard)
+    return [sc for sc in stage_options(cfg, ACTOR_TRAIN, tuple(range(cfg.nproc)), Workload.from_config(cfg))
+            if (sc.dp, sc.tp, sc.pp, sc.dp_shard) == layout]
+
+
+def retune(sc) -> dict:
+    """A fixed plan as ``NEREUS_FORCE_PLAN`` overrides of actor.train."""
+    return {"actor": {"train": {"micro_batch_size": sc.micro_batch_size, "micro_batch_tokens": sc.micro_batch_tokens,
+                                "recompute": sc.recompute}}}
+
+
+PLAN_PIECES = (ACTOR_TRAIN, ACTOR_TRAIN_INFER)  # the pieces of a step actor.train's plan changes; the rest are common
+
+
+def cycle_order(plans: int, cycles: int) -> list[int]:
+    """Which plan each step of the oracle job runs (pure): ``cycles`` passes over the plans,
+    each pass starting ``plans // cycles`` further on, so that every plan runs at as many
+    places of a pass (and lengths of the curriculum) as there are passes."""
+    shift = max(1, plans // max(cycles, 1))
+    return [(i + c * shift) % plans for c in range(cycles) for i in range(plans)]
+
+
+def step_peak(line: dict) -> int:
+    """The step's largest measured peak, over every piece and rank."""
+    return max(max(r["peak_bytes"]) for r in line["stages"].values())
+
+
+def robust_fit(xs: list[float], ys: list[float], degree: int = 2):
+    """Least squares of ``ys`` on the powers of ``xs`` up to ``degree`` (lower when few points),
+    refitted without the points more than 3 robust σ (1.4826 · MAD of the residuals) off — a
+    step another job's burst slowed (pure). Returns the polynomial's coefficients."""
+    import numpy as np
+
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    degree = min(degree, len(x) - 2) if len(x) > 2 else 0
+    coef = np.polyfit(x, y, degree)
+    resid = y - np.polyval(coef, x)
+    sigma = 1.4826 * float(np.median(np.abs(resid - np.median(resid))))
+    keep = np.abs(resid) <= 3 * sigma if sigma > 0 else np.ones(len(x), dtype=bool)
+    return np.polyfit(x[keep], y[keep], degree) if degree + 1 < keep.sum() < len(x) else coef
+
+
+def peak_at(points: list[tuple[float, float]], length: float) -> float:
+    """A plan's peak at ``length`` from its measured (length, peak) points (pure): linear
+    between the nearest points, extended by the end slope."""
+    import numpy as np
+
+    ls, peaks = (np.array(x, dtype=float) for x in zip(*sorted(points)))
+    if len(ls) == 1:
+        return float(peaks[0])
+    i = int(np.clip(np.searchsorted(ls, length), 1, len(ls) - 1))
+    slope = (peaks[i] - peaks[i - 1]) / (ls[i] - ls[i - 1]) if ls[i] > ls[i - 1] else 0.0
+    return float(peaks[i - 1] + slope * (length - ls[i - 1]))
+
+
+def oracle_over_fixed(points: dict[str, list[tuple[float, float, float]]], common: list[tuple[float, float]],
+                      lengths: list[float], budget: float) -> dict:
+    """The per-step oracle and the best fixed plan over a run whose longest answers are
+    ``lengths`` (pure). ``points``: per plan, its measured (length, seconds of the pieces its
+    plan changes, step peak); ``common``: every step's (length, seconds of the other
+    pieces). A plan's step at a length is ``robust_fit`` of its own pieces plus that of the
+    common ones, its peak ``peak_at``. The oracle takes the fastest plan that fits each step
+    (moves free); the best fixed plan is the fastest over the run of those that fit every step."""
+    import numpy as np
+
+    shared = robust_fit(*zip(*common))
+    at = {}
+    for name, p in points.items():
+        own = robust_fit([x[0] for x in p], [x[1] for x in p])
+        at[name] = [(float(np.polyval(own, L) + np.polyval(shared, L)), peak_at([(x[0], x[2]) for x in p], L)) for L in lengths]
+    steps = []
+    for s, length in enumerate(lengths):
+        fits = {name: v[s][0] for name, v in at.items() if v[s][1] <= budget}
+        best = min(fits, key=fits.get) if fits else None
+        steps.append({"length": length, "plan": best, "seconds": fits[best] if best else float("nan"), "fitting": len(fits)})
+    whole = {name: sum(x[0] for x in v) for name, v in at.items() if all(x[1] <= budget for x in v)}
+    fixed = min(whole, key=whole.get) if whole else None
+    for s, step in enumerate(steps):  # what the best fixed plan pays at each step
+        step["fixed_seconds"] = at[fixed][s][0] if fixed else float("nan")
+    oracle = sum(x["seconds"] for x in steps)
+    return {"steps": steps, "best_fixed": fixed, "best_fixed_s": whole.get(fixed), "oracle_s": oracle,
+            "fixed_s": whole, "oracle_over_best_fixed": whole[fixed] / oracle if fixed else None}
+
+
+def oracle_points(lines: list[dict], order: list[int], names: list[str]) -> tuple[dict, list]:
+    """The oracle job's steps as ``oracle_over_fixed``'s points (per plan) and common pieces."""
+    points: dict[str, list] = {name: [] for name in names}
+    common = []
+    for line, i in zip(lines, order):
+        length = float(line["lengths"]["response_max"])
+        own = sum(line["stages"][k]["seconds"] for k in PLAN_PIECES if k in line["stages"])
+        points[names[i]].append((length, own, float(step_peak(line))))
+        common.append((length, line["step_seconds"] - own))
+    return points, common
+
+
+def grow_lengths(cfg) -> list[float]:
+    """The longest answer (tokens, <eos> included) of each step of ``cfg``'s curriculum."""
+    from nereus.trainer.data.tasks import build_task
+
+    return [float(build_task(cfg.task, s).response_len + 1) for s in range(cfg.steps)]
+
+
+def oracle_job(tmp: str, tag: str, plans: list, keep: Path | None = None) -> list[dict]:
+    """tiny_wall with the controller off, its actor.train cycling through ``plans`` every
+    step (``cycle_order``; free retunes), ``ORACLE_CYCLES`` passes over the curriculum's
+    lengths stretched to the job's steps."""
+    from nereus.trainer.elastic.phases import FORCE_PLAN_ENV, format_forced
+    from nereus.trainer.prepare import load_config
+
+    kept = keep / f"{tag}.jsonl" if keep is not None else None
+    if kept is not None and kept.exists():
+        return [json.loads(x) for x in kept.read_text().splitlines()]
+    order = cycle_order(len(plans), ORACLE_CYCLES)
+    moves = {s: retune(plans[order[s]]) for s in range(1, len(order)) if order[s] != order[s - 1]}
+    first = plans[order[0]]
+    sets = [f"run_dir={tmp}/{tag}", "controller.enabled=false", "device_memory_gib=null", f"steps={len(order)}",
+            f"task.grow_steps={len(order) - 1}", f"plan.actor.train.recompute={first.recompute}",
+            f"plan.actor.train.micro_batch_size={first.micro_batch_size or 'null'}"]
+    with environment({FORCE_PLAN_ENV: format_forced(moves)}):
+        lines = run_job(load_config(TINY_WALL, sets))
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return lines
 
 
 def label(sc) -> str:
@@ -382,50 +515,77 @@ def label(sc) -> str:
 
 
 def summarize(lines: list[dict], budget: float) -> dict:
-    peaks = [max(max(r["peak_bytes"]) for r in line["stages"].values()) for line in lines]
+    peaks = [step_peak(line) for line in lines]
     seconds = [line["step_seconds"] for line in lines]
     return {"mean_step_s": statistics.mean(seconds), "step_seconds": seconds, "peak_bytes": peaks,
             "peak_mib": max(peaks) / 2**20, "fits": max(peaks) <= budget}
 
 
-def tiny_grow() -> dict:
+def adaptive_run(tmp: str, tag: str, sets: list[str], budget: float) -> dict:
+    """One run of tiny_wall (``sets`` applied): its summary, its transitions and their seconds."""
     from nereus.trainer.prepare import load_config
 
-    base = load_config(TINY_GROW)
+    lines = run_job(load_config(TINY_WALL, [f"run_dir={tmp}/{tag}", *sets]))
+    path = Path(tmp) / tag / "transitions.jsonl"
+    events = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    moves = [e for e in events if e["kind"] == "transition"]
+    out = {**summarize(lines, budget), "transitions": [
+        {"step": e["step"], "to": label_dict(e["new_plan"]["actor"]["train"]), "measured_s": e["measured_s"],
+         "predicted_s": e["predicted_s"], "rebuilt": e["rebuilt"]} for e in moves],
+        "transition_s": sum(e["measured_s"] for e in moves)}
+    out["run_s"] = sum(out["step_seconds"]) + out["transition_s"]
+    return out
+
+
+def tiny_wall(keep: Path | None = None) -> dict:
+    """Section 3 of the module docstring."""
+    from nereus.trainer.prepare import load_config
+
+    base = load_config(TINY_WALL)
     budget = base.device_memory_gib * 2**30
-    out = {"budget_mib": budget / 2**20, "fixed": []}
-    with tempfile.TemporaryDirectory(prefix="nereus-bench-grow-") as tmp:
-        cfg = load_config(TINY_GROW, [f"run_dir={tmp}/adaptive"])
-        lines = run_job(cfg)
-        events = [json.loads(x) for x in (Path(tmp) / "adaptive" / "transitions.jsonl").read_text().splitlines()]
-        moves = [e for e in events if e["kind"] == "transition"]
-        out["adaptive"] = {**summarize(lines, budget), "transitions": [
-            {"step": e["step"], "to": label_dict(e["new_plan"]["actor"]["train"]), "measured_s": e["measured_s"],
-             "predicted_s": e["predicted_s"], "rebuilt": e["rebuilt"]} for e in moves],
-            "transition_s": sum(e["measured_s"] for e in moves)}
-        print("  ran adaptive", file=sys.stderr, flush=True)
-        for i, sc in enumerate(fixed_plans(base)):
-            sets = [f"run_dir={tmp}/fixed{i}", "controller.enabled=false", f"plan.actor.train.dp={sc.dp}",
-                    f"plan.actor.train.dp_shard={str(sc.dp_shard).lower()}",
-                    f"plan.actor.train.micro_batch_size={sc.micro_batch_size if sc.micro_batch_size else 'null'}",
-                    f"plan.actor.train.micro_batch_tokens={sc.micro_batch_tokens if sc.micro_batch_tokens else 'null'}",
-                    f"plan.actor.train.recompute={sc.recompute}"]
-            cfg = load_config(TINY_GROW, sets + ["device_memory_gib=null"])  # the measurement decides what fits
-            out["fixed"].append({"plan": label(sc), **summarize(run_job(cfg), budget)})
-            print(f"  ran fixed {label(sc)}", file=sys.stderr, flush=True)
-    fitting = [f for f in out["fixed"] if f["fits"]]
-    best = min(fitting, key=lambda f: f["mean_step_s"]) if fitting else None
-    steps = len(out["adaptive"]["step_seconds"])
-    oracle = [min((f["step_seconds"][s] for f in out["fixed"] if f["peak_bytes"][s] <= budget), default=float("nan"))
-              for s in range(steps)]
-    adaptive_total = sum(out["adaptive"]["step_seconds"]) + out["adaptive"]["transition_s"]
+    plans = fixed_plans(base)
+    names = [label(sc) for sc in plans]
+    lengths = grow_lengths(base)
+    out: dict = {"budget_mib": budget / 2**20, "plans": names, "oracle_runs": [], "paired": []}
+    with tempfile.TemporaryDirectory(prefix="nereus-bench-wall-") as tmp:
+        for r in range(ORACLE_REPEATS):
+            lines = oracle_job(tmp, f"oracle{r}", plans, keep)
+            points, common = oracle_points(lines, cycle_order(len(plans), ORACLE_CYCLES), names)
+            got = oracle_over_fixed(points, common, lengths, budget)
+            out["oracle_runs"].append({**got, "points": points, "common": common})
+            print(f"  ran oracle job {r}: {got['oracle_over_best_fixed']}, best fixed {got['best_fixed']}", file=sys.stderr, flush=True)
+        fixed = statistics.mode(run["best_fixed"] for run in out["oracle_runs"])
+        sc = plans[names.index(fixed)]
+        pinned = ["controller.enabled=false", "device_memory_gib=null", f"plan.actor.train.recompute={sc.recompute}",
+                  f"plan.actor.train.micro_batch_size={sc.micro_batch_size or 'null'}"]
+        for r in range(PAIRED_REPEATS):  # the best fixed plan and the controller, run after run
+            pair = {"fixed": adaptive_run(tmp, f"fixed{r}", pinned, budget), "adaptive": adaptive_run(tmp, f"adaptive{r}", [], budget)}
+            pair["adaptive_over_best_fixed"] = pair["fixed"]["run_s"] / pair["adaptive"]["run_s"]
+            out["paired"].append(pair)
+            print(f"  ran adaptive and {fixed}: {pair['adaptive_over_best_fixed']:.3f}", file=sys.stderr, flush=True)
+    ratios = [run["oracle_over_best_fixed"] for run in out["oracle_runs"] if run["oracle_over_best_fixed"]]
+    adaptive = [p["adaptive_over_best_fixed"] for p in out["paired"]]
+    runs = [p["adaptive"] for p in out["paired"]]
     out.update({
-        "best_fixed": best["plan"] if best else None,
-        "adaptive_over_best_fixed": best["mean_step_s"] * steps / adaptive_total if best else None,
-        "oracle_over_best_fixed": best["mean_step_s"] / statistics.mean(oracle) if best else None,
-        "transition_share": out["adaptive"]["transition_s"] / adaptive_total,
+        "best_fixed": fixed, "cpu_oracle_over_best_fixed": statistics.mean(ratios) if ratios else None,
+        "cpu_oracle_spread": max(ratios) - min(ratios) if ratios else None, "cpu_oracle_each": ratios,
+        "adaptive_over_best_fixed": statistics.mean(adaptive), "adaptive_spread": max(adaptive) - min(adaptive),
+        "adaptive_fits": all(a["fits"] for a in runs), "fixed_fits": all(p["fixed"]["fits"] for p in out["paired"]),
+        "transition_share": sum(a["transition_s"] for a in runs) / sum(a["run_s"] for a in runs),
     })
     return out
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """``values`` set in this process's environment (the spawned workers inherit it) while the block runs."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def label_dict(sc: dict) -> str:
@@ -445,8 +605,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench_results" / "controller.json")
     ap.add_argument("--skip-runs", action="store_true", help="decision time only (no training jobs)")
-    ap.add_argument("--only", choices=("decision", "calibration", "tiny_grow"), help="one section (the others: with the decision time)")
-    ap.add_argument("--keep-runs", type=Path, help="keep (or reuse) the calibration runs' metrics in this folder")
+    ap.add_argument("--only", choices=("decision", "calibration", "tiny_wall"), help="one section (the others: with the decision time)")
+    ap.add_argument("--keep-runs", type=Path, help="keep (or reuse) the calibration and oracle jobs' metrics in this folder")
     args = ap.parse_args()
     args.skip_runs = args.skip_runs or args.only == "decision"
 
@@ -494,20 +654,45 @@ def main() -> int:
                              f"calibration_floor{suffix}": floor["mean"], f"calibration_noise{suffix}": noise["mean"]})
         bars.update(calibration_error=headline["calibration_error"] <= CALIBRATION_BAR,
                     calibration_error_loaded=headline["calibration_error_loaded"] <= CALIBRATION_LOADED_BAR)
-    if not args.skip_runs and args.only in (None, "tiny_grow"):
-        grow = tiny_grow()
-        print(f"\nconfigs/tiny_grow.yaml, 40 steps, budget {grow['budget_mib']:.0f} MiB per rank\n")
-        a = grow["adaptive"]
-        rows = [["adaptive", f"{a['mean_step_s']:.3f}", f"{a['peak_mib']:.0f}", a["fits"],
-                 "; ".join(f"step {t['step']} → {t['to']} ({t['measured_s']:.3f} s)" for t in a["transitions"])]]
-        rows += [[f["plan"], f"{f['mean_step_s']:.3f}", f"{f['peak_mib']:.0f}", f["fits"], ""] for f in grow["fixed"]]
-        print(md(["actor.train plan", "mean step s", "peak MiB", "within budget", "transitions"], rows))
-        result.update(tiny_grow=grow)
-        headline.update({
-            "adaptive_over_best_fixed": grow["adaptive_over_best_fixed"], "oracle_over_best_fixed": grow["oracle_over_best_fixed"],
-            "best_fixed": grow["best_fixed"], "transition_share": grow["transition_share"],
-        })
-        bars.update(adaptive_over_best_fixed=(headline["adaptive_over_best_fixed"] or 0) >= ADAPTIVE_BAR,
+    if not args.skip_runs and args.only in (None, "tiny_wall"):
+        grow = tiny_wall(keep=args.keep_runs)
+        print(f"\n{TINY_WALL.name}: {len(grow['plans'])} fixed actor.train plans interleaved in one job, "
+              f"{ORACLE_REPEATS} jobs; budget {grow['budget_mib']:.0f} MiB per rank\n")
+        runs = grow["oracle_runs"]
+        rows = [[name, *[f"{run['fixed_s'][name]:.1f}" if name in run["fixed_s"] else "over budget" for run in runs]]
+                for name in grow["plans"]]
+        rows.append(["per-step oracle", *[f"{run['oracle_s']:.1f}" for run in runs]])
+        print(md(["actor.train plan", *[f"job {i}: run s" for i in range(len(runs))]], rows))
+        print("\nThe oracle's plan along the run (job 0; steps: plan):\n")
+        spans: list[list] = []
+        for s, step in enumerate(runs[0]["steps"], start=1):
+            if spans and spans[-1][2] == step["plan"]:
+                spans[-1][1] = s
+            else:
+                spans.append([s, s, step["plan"]])
+        def gain(a, b):  # the best fixed plan's seconds ÷ the oracle's over steps a..b
+            part = runs[0]["steps"][a - 1:b]
+            return sum(x["fixed_seconds"] for x in part) / sum(x["seconds"] for x in part)
+
+        print(md(["steps", "longest answer", "plan", "plans that fit", "best fixed ÷ oracle"],
+                 [[f"{a}–{b}", f"{runs[0]['steps'][a - 1]['length']:.0f}–{runs[0]['steps'][b - 1]['length']:.0f}", plan,
+                   runs[0]["steps"][a - 1]["fitting"], f"{gain(a, b):.2f}"] for a, b, plan in spans]))
+        print(f"\nThe best fixed plan ({grow['best_fixed']}) and the controller, run after run:\n")
+        rows = []
+        for i, pair in enumerate(grow["paired"]):
+            for kind in ("fixed", "adaptive"):
+                a = pair[kind]
+                rows.append([i, kind, f"{a['run_s']:.1f}", f"{a['peak_mib']:.0f}", a["fits"],
+                             "; ".join(f"step {t['step']} → {t['to']} ({t['measured_s']:.3f} s)" for t in a["transitions"])])
+        print(md(["pair", "run", "run s", "peak MiB", "within budget", "transitions"], rows))
+        fitted = [run["fixed_s"][grow["best_fixed"]] for run in runs if grow["best_fixed"] in run["fixed_s"]]
+        print(f"\n{grow['best_fixed']} over the run, from the oracle jobs' fits: {', '.join(f'{x:.1f}' for x in fitted)} s; "
+              "its own runs: " + ", ".join(f"{p['fixed']['run_s']:.1f}" for p in grow["paired"]) + " s")
+        result.update(tiny_wall=grow)
+        headline.update({k: grow[k] for k in ("cpu_oracle_over_best_fixed", "cpu_oracle_spread", "cpu_oracle_each", "best_fixed",
+                                              "adaptive_over_best_fixed", "adaptive_spread", "adaptive_fits", "transition_share")})
+        bars.update(cpu_oracle_over_best_fixed=(grow["cpu_oracle_over_best_fixed"] or 0) >= ORACLE_BAR,
+                    adaptive_over_best_fixed=grow["adaptive_over_best_fixed"] >= ADAPTIVE_BAR and grow["adaptive_fits"],
                     transition_share=headline["transition_share"] <= SHARE_BAR)
     headline["bars_met"] = bars
     args.out.parent.mkdir(parents=True, exist_ok=True)
