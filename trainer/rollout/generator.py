@@ -224,12 +224,13 @@ def _decode(
         cache, logits = None, model(ids, attention_mask=prompt_mask)[:, -1]
     done = torch.zeros(b, dtype=torch.bool, device=device)
     live = torch.arange(b, device=device)  # the batch row of each row the model still runs (a cache row)
+    uniforms = None if uniforms is None else uniforms.to(device)  # (indexed by ``live``, on the model's device)
     new_tokens, new_logprobs, alive_cols = [], [], []
     for step in range(max_new_tokens):
         if uniforms is not None:
             u = uniforms[live, step : step + 1]
-        else:  # B draws every step whatever has retired, so the streams stay in step
-            u = torch.rand((b, 1), generator=generator, device=device)[live] if temperature > 0 else None
+        else:  # B draws every step whatever has retired, so the streams stay in step (float32, as ``sample`` draws)
+            u = torch.rand((b, 1), generator=generator, device=device, dtype=torch.float32)[live] if temperature > 0 else None
         drawn, drawn_logp = sample(logits, temperature, top_p, generator, u)
         token = torch.full((b,), pad_id, dtype=torch.long, device=device).index_copy_(0, live, drawn)
         logp = torch.zeros(b, dtype=drawn_logp.dtype, device=device).index_copy_(0, live, drawn_logp)
