@@ -30,21 +30,19 @@ accumulated over the horizon rather than per step:
            or  G > 0 and L_tran ≤ γ · G            (it pays for itself, even if the model erred)
            and the best plan was not left within the last ``hysteresis`` steps
 
-Why the difference's band, not the running plan's: the relative error of a prediction
-(``band_k``, the RMS of model-stage k's measured relative error on this job over the last
-steps, never below 5%; ``Controller.bands``) is shared by the pieces the two plans have in
-common — their predictions are the same numbers, and cancel in ΔL — so only the pieces that
-change carry it, combined as if independent. Per stage, not the whole step's: the stages'
-errors partly cancel in the step's total, which understates the error of any one stage
-that changes (simulated at 1,024 MI250X: the step's mean error ~2%, a stage's RMS 3-5%);
-the 5% floor stands for what no measurement of the running layout shows, the model's bias
-on the new one. ``band_k`` is the RMS of the signed errors, a steady bias included, charged on
-both predictions as if independent: a bias that the calibration (per operation class, shared by
-every layout) leaves on the running layout is structure the model lacks for that layout, and
-says nothing of its sign on another one. Where it is shared it cancels in ΔL, and σ is then
-conservative (a move of a stage predicted 30% low is charged 30% of both sides). That is an estimate, not a bound: a calibration off in opposite directions on
-two operation classes makes the old and the new prediction err in opposite directions, and
-their difference then errs by more.
+Why the difference's band, not the running plan's: the relative error of a prediction is
+shared by the pieces the two plans have in common — their predictions are the same numbers,
+and cancel in ΔL — so only the model-stages that change carry it, combined as if
+independent, each side with its own layout's band (``evidence.LayoutEvidence.band``: for a
+layout the job ran, the robust spread of its own out-of-sample errors once corrected, at
+least 2%; for one it has not run, the model's error on the first step of every layout the
+job entered, the unseen band, 25% before any; ``Controller.stage_bands``). Per stage, not the
+whole step's: the stages' errors partly cancel in the step's total, which understates the
+error of any one stage that changes. A layout's correction takes out its steady bias; what a
+bias on a layout not run says of its sign is nothing, so it is charged on both sides. That
+is an estimate, not a bound: a calibration off in opposite directions on two operation
+classes makes the old and the new prediction err in opposite directions, and their
+difference then errs by more.
 Why σ is charged on every step of the horizon (not √h): what the model gets wrong about a
 layout is mostly bias — a calibration fitted on the running plan's mix of operations is off
 on the classes a new layout leans on, by the same amount every step it runs — so it adds

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import StageConfig
 from ..config.names import is_train
-from .memory import HEADROOM
+from .memory import HEADROOM, excess_peak, priced_peak
 
 
 MEMORY_STEPS = 12
@@ -42,37 +42,34 @@ def rank_class(stages) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryFit:
-    """The memory model's correction, fitted to measured peaks (``fit_memory``): a
-    rank of class ``c`` (``rank_class``) peaks at ``resident + transient + offsets[c]``. A
-    class the job has not run yet gets the largest offset measured plus ``unseen`` of the
-    model's own figure: its buffers are unknown until it runs. Before any step: the model."""
+    """The memory model's correction, fitted to measured peaks (``fit_memory``). A rank of
+    class ``c`` (``rank_class``) peaks at ``resident + transient + max(offsets[c],
+    relative[c] · (resident + transient))``: the excess measured, in bytes or as a share of
+    what the model counts (an allocator's slack grows with what it holds). A class the job has
+    not run yet takes the largest offset measured or ``unseen`` of the model's figure,
+    whichever is larger. Before any step, every class: ``HEADROOM`` − 1 of the model's figure
+    (the Nereus paper's 10%)."""
 
     offsets: dict[str, float] = field(default_factory=dict)
+    relative: dict[str, float] = field(default_factory=dict)
     unseen: float = 0.0
 
     def terms(self, cls: str) -> tuple[float, float]:
-        """(offset, margin): the peak is ``(resident + transient) · (1 + margin) + offset``."""
-        if cls in self.offsets or not self.offsets:
-            return self.offsets.get(cls, 0.0), 0.0
-        return 0.0, self.unseen
+        """(offset, margin): the peak is ``excess_peak(resident, transient, offset, margin)``."""
+        if cls in self.offsets:
+            return self.offsets[cls], self.relative.get(cls, 0.0)
+        if not self.offsets:
+            return 0.0, HEADROOM - 1.0
+        return max(self.offsets.values()), self.unseen
 
     def peak(self, resident: float, transient: float, cls: str = "") -> float:
-        """A rank's peak in class ``cls``, as the model and the fit predict it."""
-        offset, margin = self.terms(cls)
-        return (resident + transient) * (1.0 + margin) + offset
+        """A rank's peak in class ``cls``, as the model and the fit predict it (before any
+        step: the model's)."""
+        return excess_peak(resident, transient, *self.terms(cls)) if self.offsets else resident + transient
 
     def priced(self, resident: float, transient: float, cls: str = "") -> float:
         """A rank's peak in class ``cls`` as a plan is priced against the budget (``priced_peak``)."""
-        offset, margin = self.terms(cls)
-        return priced_peak(resident, transient, offset, margin)
-
-
-def priced_peak(resident, transient, offset, margin):
-    """The peak a plan is priced at: ``(resident + transient) · (1 + margin) + offset``, the
-    headroom (``memory.HEADROOM``) on the transients alone — the resident tensors are counted
-    exactly and the offset was measured; the activations, caches and buffers are the
-    model's estimate, and they grow with the lengths (elementwise over arrays)."""
-    return (resident + transient) * (1.0 + margin) + offset + (HEADROOM - 1.0) * transient
+        return priced_peak(resident, transient, *self.terms(cls))
 
 
 class _Registry:
@@ -144,7 +141,7 @@ class ClassRegistry:
         return self.registry.grow(ids, key, kinds, names)
 
     def corrections(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(offset, margin) of each class id, same shape as ``ids``."""
+        """(offset, margin) of each class id (``MemoryFit.terms``), same shape as ``ids``."""
         held = np.unique(ids)
         lookup = np.zeros((int(held[-1]) + 1 if len(held) else 1, 2), dtype=np.float64)
         lookup[held] = np.array([self.terms[i] for i in held.tolist()], dtype=np.float64).reshape(-1, 2)
@@ -166,19 +163,20 @@ class _Terms:
 
 def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY_STEPS, unseen: float = 0.25) -> MemoryFit:
     """The memory model's correction from (class, resident, transient, measured) samples: per
-    class of training layouts, ``offset`` = the largest (measured − predicted) of its
-    ``recent`` latest samples (the controller's: a step's worst rank each) — what the model
-    does not count (allocator slack, libraries, communication buffers) — never below 0.
-    A class not run yet is priced with the largest relative excess measured on any class
-    (offset ÷ the model's peak: an allocator's slack grows with what it holds), never below
-    the prior ``unseen`` shrunk by the classes measured, ``unseen · 2 / (2 + n)``: learned,
-    not feared. No per-term scales: a process's resident memory cannot tell weights from
-    activations. A class left long ago keeps its offset: what it stands for does not grow
-    with the lengths (the model counts the activations at the width priced), and a part of it
-    that does (an allocator's slack on larger blocks) is what the search's 10% headroom is for."""
+    class, over its ``recent`` latest samples (the controller's: a step's worst rank each), the
+    largest excess of the measured peak over the model's — what the model does not count
+    (allocator slack, libraries, communication buffers), never below 0 — in bytes
+    (``offset``) and as a share of the model's figure (``relative``; an excess larger than
+    the model's figure is no slack of it — a process's own memory, say — and counts in bytes
+    alone). A class not run yet is priced with the largest share measured on a class of
+    training layouts, never below the prior ``unseen`` shrunk by those measured, ``unseen · 2
+    / (2 + n)``: learned, not feared. A class left long ago keeps its excess."""
     by_class: dict[str, list[tuple[float, float]]] = {}
     for cls, r, t, m in samples:
         by_class.setdefault(cls, []).append((float(m - r - t), float(r + t)))
     offsets = {c: max(0.0, max(x for x, _ in v[-recent:])) for c, v in by_class.items()}
-    relative = max((max(0.0, x) / p for v in by_class.values() for x, p in v[-recent:] if p > 0), default=0.0)
-    return MemoryFit(offsets=offsets, unseen=max(relative, unseen * 2 / (2 + len(by_class))))
+    shares = {c: max((max(0.0, x) / p for x, p in v[-recent:] if p > 0), default=0.0) for c, v in by_class.items()}
+    relative = {c: x if x <= 1.0 else 0.0 for c, x in shares.items()}
+    trained = [c for c in by_class if c]  # "": ranks that hold no training layout
+    return MemoryFit(offsets=offsets, relative=relative,
+                     unseen=max([unseen * 2 / (2 + len(trained))] + [relative[c] for c in trained]))

@@ -125,6 +125,9 @@ class LayoutEvidence:
 
         self.samples = {(k, layout(sc)): deque(((np.asarray(f, dtype=float), float(m)) for f, m in v), maxlen=LAYOUT_STEPS)
                         for k, sc, v in state.get("samples", [])}
+        widths = {len(f) for v in self.samples.values() for f, _ in v}
+        if widths - {len(OP_CLASSES)}:
+            raise ValueError(f"controller state: per-layout features of {sorted(widths)} classes, this version prices {len(OP_CLASSES)}")
         self.errors = {(k, layout(sc)): deque((float(e) for e in v), maxlen=2 * LAYOUT_STEPS) for k, sc, v in state.get("errors", [])}
         self.first = deque((float(e) for e in state.get("first", [])), maxlen=FIRST_ERRORS)
 

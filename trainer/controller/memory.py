@@ -60,8 +60,10 @@ model's ``max_seq_len``; the controller passes the coming step's):
   and KV cache freed), and while generating holds ``rollout.gpu_memory_utilization`` of the
   device (its weights and KV-cache pool): resident 0, transient that share.
 
-The peak takes 10% headroom (the Nereus paper's) on its transients before it is compared with
-the budget: the resident tensors are counted exactly (``classes.priced_peak``).
+The peak takes 10% headroom (the Nereus paper's) before it is compared with the budget, and 10%
+more on its transients, which grow with the lengths; once the job measured a class of ranks, its
+measured excess replaces the first 10% (``classes.MemoryFit``), and the second covers the excess
+too: it moves from step to step (``priced_peak``). The resident tensors are exact.
 Every candidate of a search is priced at once (``candidate_memory``: arrays over
 ``candidates.Candidates``); ``pipeline_memory`` is the same computation for one stage config.
 Shortcuts: no allocator fragmentation model, no communication buffers, no CUDA context;
@@ -337,6 +339,23 @@ def weight_workspace(args, tp, weights, *, train: bool, fsdp):
     return np.where(fsdp, sharded, replicated)
 
 
+def excess_peak(resident, transient, offset, margin):
+    """A rank's peak with the memory fit's excess (``classes.MemoryFit``): ``resident +
+    transient + max(offset, margin · (resident + transient))`` (elementwise over arrays)."""
+    model = resident + transient
+    return model + np.maximum(offset, margin * model)
+
+
+def priced_peak(resident, transient, offset, margin):
+    """The peak a plan is priced at against the budget: ``excess_peak`` and the headroom
+    (``HEADROOM``) on what is estimated — the transients (activations, caches, buffers: the
+    model's figure, growing with the lengths) and the excess (measured, but a process's slack
+    moves from step to step: on CPU its resident set jumps by ~8% of it between like steps).
+    The resident tensors are counted exactly and take none (elementwise over arrays)."""
+    excess = np.maximum(offset, margin * (resident + transient))
+    return resident + transient + excess + (HEADROOM - 1.0) * (transient + excess)
+
+
 def check_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> None:
     """Raise ConfigError naming the rank, the model-stage and the excess when a rank's peak
     (with 10% headroom) exceeds ``device_memory_gib``; no budget, no check."""
@@ -346,7 +365,7 @@ def check_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> None:
     limit = int(budget * GIB)
     for rank, stages in sorted(plan_memory(cfg, plan, seq=seq).items()):
         total, worst = rank_peak(stages)
-        peak = int(total + (HEADROOM - 1.0) * worst.transient)  # as classes.priced_peak: the headroom on the transients
+        peak = int(priced_peak(total - worst.transient, worst.transient, 0.0, HEADROOM - 1.0))  # classes.MemoryFit().priced: nothing measured yet
         if peak > limit:
             biggest = max(stages, key=lambda s: s.resident + s.transient)
             raise ConfigError(

@@ -8,14 +8,16 @@ The step loop calls, on one rank (rank 0; the decision is broadcast to the other
 
 ``observe`` first logs every piece's prediction (made with the model as it was before this
 step) beside its measurement in ``RUN_DIR/predictions.jsonl`` with the running error, then
-recalibrates: the step-time model on every piece seen so far (``steptime.calibrate``),
-and the memory correction (``fit_memory``: per class of training layouts, the largest
-shortfall of the model against its recent measured peaks; a class not run yet priced with
-the ``UNSEEN_MARGIN``). ``decide`` checks the triggers of ``admission`` (the first
-observed step among them: the initial plan was made before any step was measured), searches
-(``search``) for the coming step's workload, prices the best plan's transition
-(``transition``) and applies the admission rule (the gain accumulated over the horizon, less
-the error band of the pieces that change); every decision it returns goes to
+recalibrates: the step-time model on every piece seen so far (``steptime.calibrate``), each
+layout run's correction and band (``evidence.LayoutEvidence``), and the memory correction
+(``classes.fit_memory``: per class of training layouts, the largest excess of its recent
+measured peaks over the model, in bytes or as a share; a class not run yet priced with the
+largest share measured, never below ``UNSEEN_MARGIN`` shrunk by the classes measured).
+``decide`` checks the triggers of ``admission`` (the first observed step among them: the
+initial plan was made before any step was measured), searches (``search``) for the coming
+step's workload, prices the best plan's transition (``transition``) and applies the
+admission rule (the gain accumulated over the horizon, less the bands of the layouts that
+change), or a trial (``controller.explore``); every decision it returns goes to
 ``RUN_DIR/transitions.jsonl``. When the running plan no longer fits, the
 running layouts with activation recompute (``selective``, then ``full``: a retune, no state
 moves) are weighed with the searched plans, and taken for the coming step when no plan fits
@@ -51,15 +53,17 @@ from .workload import Workload
 
 
 MIN_BAND = 0.05
-"""The smallest error band used, however well the step-time model has fitted so far."""
+"""The smallest whole-step band (``band``: the step's error, logged; admission charges the
+layouts' own bands, ``evidence.LayoutEvidence``, and a stage without one this)."""
+STEP_WINDOW = 5
+"""Steps the watched step seconds is the median of (``signals``)."""
 TRIAL_STEPS = 3
 """Measured steps of a tried plan before it is judged against the plan it left (``_judge_trial``)."""
 UNSEEN_MARGIN = 0.25
-"""A class of training layouts (``classes.rank_class``) the job has not run yet is priced at
-the largest correction measured plus this share of the model's peak: FSDP2's, TP's and PP's
-buffers are what the model counts least well (on CPU FSDP2 measured ~20% over it). Fixed,
-not learned: an entry into one class says little of the next (a TP class that needed 2%
-says nothing of FSDP2's 20%), and an underestimate is an out-of-memory step."""
+"""The prior share of the model's peak a class of training layouts (``classes.rank_class``) the
+job has not run yet may exceed it by (FSDP2's, TP's and PP's buffers are what the model counts
+least well; on CPU FSDP2 measured ~20% over it); ``classes.fit_memory`` shrinks it as classes
+are measured, and takes the largest share measured when that is larger."""
 
 
 class Controller:
@@ -85,6 +89,8 @@ class Controller:
         self.trial: dict | None = None  # a trial under way: the plan it left and the step it was admitted at
         self.explored = 0.0  # seconds the trials risked so far (exploration's spending)
         self.run_seconds = 0.0  # the measured steps' seconds so far
+        self.step_totals: deque = deque(maxlen=STEP_WINDOW)  # the running plan's last steps' seconds
+        self.totals_plan: str | None = None  # the plan they were measured under
         self.lengths: list[tuple] = []  # per step seen: (response_max, response_mean[, response_sq_mean])
         self.prompt_mean: float | None = None  # real prompt tokens of a row, on average (None: as long as the longest)
         self.watch = DriftWatch(drift=settings.drift)
@@ -153,6 +159,10 @@ class Controller:
         error = abs(predicted_total - measured_total) / measured_total if measured_total > 0 else 0.0
         self.errors.append(error)
         self.run_seconds += measured_total
+        if self.totals_plan != (key := plan_key(cfg.plan)):  # the step's seconds as this plan runs them
+            self.step_totals.clear()
+            self.totals_plan = key
+        self.step_totals.append(measured_total)
         for key, (f, m, p) in per_stage.items():
             if key in stages:  # predicted with the correction it had: each layout's errors out of sample
                 self.evidence.observe(key, layout_key(stages[key], cfg.nproc), f, m, p)
@@ -216,7 +226,8 @@ class Controller:
         out = {"response_max": float(self.lengths[-1][0]), "response_mean": self.lengths[-1][1]}
         if metrics:  # the step's seconds, and the shares of the step of the model-stages that matter (10% or more)
             total = sum(r["seconds"] for r in metrics["stages"].values()) or 1.0
-            out["step_seconds"] = total
+            if self.step_totals:  # the median of the running plan's last steps: one straggler's step is no drift
+                out["step_seconds"] = float(np.median(self.step_totals))
             out.update({f"share:{name}": r["seconds"] / total for name, r in metrics["stages"].items()
                         if name in cfg.plan.stages() and r["seconds"] >= 0.1 * total})
         return out
@@ -246,6 +257,8 @@ class Controller:
             return self._decided(Decision(**common, admitted=False, reason=f"no plan fits: {error}", new_plan=None, new_seconds=None,
                                           gain_seconds=0.0, transition_seconds=None, decision_ms=ms()))
         price = lambda choice: self.transitions.cost(cfg, cfg.plan, choice.plan, budget=int(budget) if budget else None)  # noqa: E731
+        if "world" in triggers:
+            self.trial = None  # the devices changed: the plan a trial left was for the old world
         if self.trial is not None and "trial" in triggers:
             back = self._judge_trial(cfg, common, ahead, where, budget, t0)
             if back is not None:
@@ -346,6 +359,7 @@ class Controller:
                             decision_ms=(time.perf_counter() - t0) * 1e3)
         if ok:
             self.left[plan_key(cfg.plan)] = self.step
+            self.trial = None  # a move on its own merits ends a trial under way: its origin is not the plan to go back to
             self._pend(cfg, best.plan, cost, moving)
         return decision
 
@@ -384,7 +398,7 @@ class Controller:
                            allowance=allowance, steps=TRIAL_STEPS)
         if not ok:
             return None
-        self.trial = {"origin": common["old_plan"], "step": self.step}
+        self.trial = {"origin": common["old_plan"], "step": self.step, "nproc": cfg.nproc}
         self.explored += there.seconds
         self._pend(cfg, choice.plan, there, moving)
         return Decision(**{**common, "trigger": common["trigger"] + ",trial"}, admitted=True, reason=reason,
@@ -400,8 +414,8 @@ class Controller:
         was in the trial's risk, and the tried plan then stays out for the hysteresis. None: the
         trial is kept (or its way back does not fit the memory). Either way the trial ends, and
         the slower steps are charged to exploration."""
-        origin = build_tree(PlanConfig, self.trial["origin"], "plan.")
-        self.trial = None
+        tried, self.trial = self.trial, None  # ended, whatever follows
+        origin = build_tree(PlanConfig, tried["origin"], "plan.")
         old, new = common["old_seconds"], sum(plan_seconds(cfg, origin, ahead, where, self.model).values())
         self.explored += TRIAL_STEPS * max(0.0, old - new)
         moving = self._move_peak(cfg, origin) if budget is not None else None
@@ -450,14 +464,16 @@ class Controller:
         stage (``transition.transition_peak``; before headroom): the resident bytes, exact (no
         class margin: the model counts them, it does not estimate them), plus the most a process
         of the ranks' classes in either plan was measured to hold beyond its tensors — in a step
-        (the class's offset) or after one (``held_offset``), whichever is larger; a class not
-        run yet: the largest measured. A step's offset alone is not it: it is what the step's
-        measured peak exceeds the modelled transients by, so a pessimistic activation model
-        leaves it below what the process holds when a move starts."""
+        (the class's excess, in bytes or as a share of the bytes held) or after one
+        (``held_offset``), whichever is larger; a class not run yet: the largest measured, or
+        the unseen share (``MemoryFit.terms``). A step's offset alone is not it: it is what the
+        step's measured peak exceeds the modelled transients by, so a pessimistic activation
+        model leaves it below what the process holds when a move starts."""
         groups = distinct_ranks(cfg, (cfg.plan, new))
         classes = {_rank_terms(plan, held[k])[2] for held, _ in groups for k, plan in enumerate((cfg.plan, new)) if held[k]}
         peak = transition_peak(cfg, cfg.plan, new, groups=groups)
-        return peak + max(max(self.memory.terms(c)[0], self.held_offset(c)) for c in classes)
+        share = (lambda m: m) if self.memory.offsets else (lambda m: 0.0)  # nothing measured: the callers' headroom alone
+        return peak + max(max(offset, self.held_offset(c), share(margin) * peak) for c in classes for offset, margin in [self.memory.terms(c)])
 
     def held_offset(self, cls: str) -> float:
         """The most a rank of class ``cls`` held after a step beyond its resident tensors, over
@@ -518,7 +534,7 @@ class Controller:
                 "held_record": {k: list(v) for k, v in self.held_record.items()},
                 "transition_samples": [list(x) for x in self.transition_samples], "transfers": [list(x) for x in self.transfers],
                 "errors": list(self.errors), "evidence": self.evidence.state_dict(), "trial": self.trial, "explored": self.explored,
-                "run_seconds": self.run_seconds,
+                "run_seconds": self.run_seconds, "step_totals": list(self.step_totals), "totals_plan": self.totals_plan,
                 "prompt_mean": self.prompt_mean, "profile": self.profile.name}
 
     def load_state(self, state: dict) -> None:
@@ -544,7 +560,11 @@ class Controller:
         self.errors.clear()
         self.errors.extend(float(e) for e in state["errors"])
         self.evidence.load_state_dict(state.get("evidence", {}))  # (a state saved before it was kept: none)
-        self.trial, self.explored, self.run_seconds = state.get("trial"), float(state.get("explored", 0.0)), float(state.get("run_seconds", 0.0))
+        self.explored, self.run_seconds = float(state.get("explored", 0.0)), float(state.get("run_seconds", 0.0))
+        trial = state.get("trial")
+        self.trial = trial if trial and trial.get("nproc") == self.nproc else None  # a resume on another world ends it
+        self.step_totals = deque((float(x) for x in state.get("step_totals", [])), maxlen=STEP_WINDOW)
+        self.totals_plan = state.get("totals_plan")
         self.prompt_mean = None if state["prompt_mean"] is None else float(state["prompt_mean"])
         if self.settings.calibrate:
             if self.samples.count:

@@ -53,8 +53,8 @@ from ..data.tasks import longest_row
 from ..models.args import model_args
 from ..rollout.engine import rollout_plan_ok
 from .candidates import RECOMPUTE, Candidates, kept_of
-from .classes import ClassRegistry, MemoryFit, layout_kind, priced_peak, rank_class
-from .memory import GIB, candidate_memory, gib
+from .classes import ClassRegistry, MemoryFit, layout_kind, rank_class
+from .memory import GIB, candidate_memory, gib, priced_peak
 from .profiles import DeviceProfile
 from .steptime import Placement, StepTimeModel, candidate_features, candidate_sync_features
 from .workload import Workload

@@ -28,11 +28,12 @@ with ``f_k`` (``OP_CLASSES``):
   embedding, o_proj, down_proj; backward: the inputs of q, k, v, gate, up and the head;
   vocab-parallel log-probs two more), PP's point-to-point messages, DP's gradient all-reduce,
   FSDP2's all-gathers (every unit per micro-batch forward, the layers again backward) and
-  reduce-scatters (once per step), the gradient norm's all-reduce: per call its hops (gather
-  or scatter: n−1, point to point: 1) × the link's latency, an all-reduce NCCL's cheaper
-  algorithm for its small messages — a ring over the slowest link, 2(n−1) hops, or a tree
-  across the nodes after a chain within each (``_links``) — one class for all, so a layout's
-  collectives are priced by what the job's other layouts measured;
+  reduce-scatters (once per step), the gradient norm's all-reduce: per call its hops (ring
+  all-reduce: 2(n−1), gather or scatter: n−1, point to point: 1) × the link's latency; the
+  small all-reduces (decoding's [rows, h], the gradient norm's scalar) as NCCL runs a small
+  message, the cheaper of that ring and a tree across the nodes after a chain within each
+  (``_links``) — one class for all, so a layout's collectives are priced by what the job's
+  other layouts measured;
 - ``comm_tp``, ``comm_pp``, ``comm_dp``: the bytes of those collectives ÷ the link's
   bandwidth (ring all-reduce: 2(t−1)/t of them);
 - ``optimizer``: AdamW's memory traffic (θ, g and both moments read and written);
@@ -273,7 +274,7 @@ def candidate_features(
     hidden = st.hidden
     reduces = calls * slots * (hidden + 2 * lm)
     f["comm_tp"] = calls * slots * hidden * _ring(tokens * h * size, t) / links.tp[0]
-    latency = reduces * links.tp[2]
+    latency = reduces * _hops(t, 2) * links.tp[1]  # [tokens, h]: large messages, a ring
     # PP: activations forward, their gradients backward, point to point per micro-batch slot
     messages = calls * (slots * (2 if train else 1) + 2)  # + the schedule's shape exchange
     f["comm_pp"] = np.where(pp > 1, calls * slots * (2 if train else 1) * tokens * h * size / links.pp[0], 0.0)
@@ -361,9 +362,10 @@ class _Static:
             step = calls * tensors * (OPS_PER_TENSOR + 1)  # AdamW and zero_grad per parameter
             clip_ops, step_plain, step_dtensor = calls * tensors * CLIP_OPS, np.where(dtensor, 0, step), np.where(dtensor, step, 0)
             bandwidth = links.dp[0]
-            replicated_bytes, replicated_latency = calls * _ring(full * 4, dp) / bandwidth, calls * links.dp[2]
+            replicated_bytes, replicated_latency = calls * _ring(full * 4, dp) / bandwidth, calls * _hops(dp, 2) * links.dp[1]  # buckets: a ring
             kv_copies = spec.num_kv_heads % t != 0
-            norm_latency = calls * (_reduce_latency(profile, busy) + np.where(kv_copies, links.tp[2], 0.0))
+            # the gradient norm's scalar: small (a tree where cheaper); the KV-head copies' gradients: a ring
+            norm_latency = calls * (_reduce_latency(profile, busy) + np.where(kv_copies, _hops(t, 2) * links.tp[1], 0.0))
             local = c.elements(spec).max(axis=1)[c.layout]
             optimizer = calls * local * 4 * 4 / profile.memory_bandwidth / profile.share(busy)  # AdamW reads and writes θ, g, m, v
         return cls(rows=replicas, batching=FixedBatching.of(replicas, pp, c.micro_batch_size, c.micro_batch_tokens), layers=layers, head=head, linear=linear,

@@ -89,7 +89,7 @@ def test_a_decision_that_raises_does_not_fire_again_nor_shorten_the_horizon(monk
         raise RuntimeError("pricing failed")
 
     monkeypatch.setattr(online, "plan_seconds", broken)
-    slow = {**SECONDS, "actor.gen": 0.8}
+    slow = {**SECONDS, "actor.gen": 0.6, "actor.train": 0.2}  # a share drifts, the step's seconds do not
     ctl.observe(cfg, metrics(4, slow))
     with pytest.raises(RuntimeError, match="pricing failed"):
         ctl.decide(cfg, metrics(4, slow))
@@ -191,3 +191,31 @@ def test_a_share_that_falls_below_the_watch_on_a_new_plan_loses_its_old_referenc
     ctl.observe(cfg, metrics(3, back))
     ctl.decide(cfg, metrics(3, back))
     assert ctl.watch.reference["share:ref.infer"] == pytest.approx(0.13 / sum(back.values()))
+
+
+def test_a_trial_ends_with_a_change_of_world_a_resume_on_another_or_a_judgement_that_raises():
+    """A trial under way (``Controller.trial``) ends when the devices change (the plan it left
+    was for the old world), when the controller resumes on another number of ranks, and when
+    its judgement raises (once: the next step does not raise again)."""
+    from nereus.trainer.config import config_to_dict
+
+    cfg = tiny("controller.explore=0.005")
+    ctl = Controller(cfg, CPU)
+    ctl.observe(cfg, metrics(1, SECONDS))
+    ctl.trial = {"origin": config_to_dict(cfg.plan), "step": 1, "nproc": cfg.nproc}
+    elsewhere = Controller(tiny("controller.explore=0.005", "nproc=2", "plan=auto"), CPU)
+    elsewhere.load_state(ctl.state_dict())
+    assert elsewhere.trial is None
+    again = Controller(cfg, CPU)
+    again.load_state(ctl.state_dict())
+    assert again.trial == ctl.trial
+    ctl.decide(cfg, None, nproc=2)
+    assert ctl.trial is None
+    ctl.trial = {"origin": {"actor": {"train": {"dp": "not a number"}}}, "step": 1, "nproc": cfg.nproc}
+    for step in (2, 3, 4):
+        ctl.observe(cfg, metrics(step, SECONDS))
+    with pytest.raises(Exception):
+        ctl.decide(cfg, metrics(4, SECONDS))
+    assert ctl.trial is None
+    ctl.observe(cfg, metrics(5, SECONDS))
+    ctl.decide(cfg, metrics(5, SECONDS))  # no trial to judge: no raise

@@ -17,11 +17,15 @@ def test_a_layout_is_priced_at_what_its_steps_measured_and_its_band_shrinks_as_t
     its out-of-sample errors, with every run layout's spread (``seen``) as one pseudo-sample, so
     one straggler's step barely moves it; the first step of a layout is the model's error on a
     layout it had not run (the unseen band, with two pseudo-samples of the prior)."""
-    coef = np.array([1.0, 2.0])
+    from nereus.trainer.controller.profiles import OP_CLASSES
+
+    coef = np.zeros(len(OP_CLASSES))
+    coef[:2] = [1.0, 2.0]
     ev = LayoutEvidence()
     assert ev.unseen == pytest.approx(UNSEEN_PRIOR) and ev.band("actor.train", A) == ev.unseen
     assert not ev.measured("actor.train", A) and ev.seen == MIN_BAND
-    f = np.array([1.0, 0.5])  # predicted 2 s by coef
+    f = np.zeros(len(OP_CLASSES))
+    f[:2] = [1.0, 0.5]  # predicted 2 s by coef
     measured = [3.0, 3.0, 30.0, 3.0, 3.3]  # 1.5× the model, one outlier, one step 10% slow
     predicted = [2.0, 3.0, 3.0, 3.0, 3.0]  # as the controller priced each step: the first without a correction
     for m, p in zip(measured, predicted):
@@ -43,6 +47,10 @@ def test_a_layout_is_priced_at_what_its_steps_measured_and_its_band_shrinks_as_t
     again.load_state_dict(ev.state_dict())
     assert again.corrections(coef) == ev.corrections(coef) and again.band("actor.train", A) == ev.band("actor.train", A)
     assert again.unseen == ev.unseen
+    state = ev.state_dict()
+    state["samples"][0][2][0][0] = [1.0, 0.5]  # a state whose features another version priced
+    with pytest.raises(ValueError, match="per-layout features of \\[2, 13\\] classes"):
+        LayoutEvidence().load_state_dict(state)
 
 
 def test_a_layout_is_its_config_without_what_a_running_stage_retunes_on_explicit_ranks():
@@ -65,27 +73,29 @@ def test_a_trial_is_taken_when_its_risk_is_small_against_what_it_may_win_and_exp
     assert not trial(**{**base, "optimistic_seconds": float("nan")})[0]
 
 
-def test_a_class_not_run_is_priced_at_the_largest_relative_excess_measured_never_below_the_shrunk_prior():
-    """(class, resident, transient, measured): class a exceeds the model by 20%, b by 5%; an
-    unseen class is priced with 20%. One class measured with 1%: the prior 25% shrunk to
-    25%·2/3. No double counting: an unseen class takes the margin, not also the largest offset."""
-    fit = fit_memory([("a", 80, 20, 120), ("b", 100, 100, 210), ("a", 80, 20, 110)], unseen=0.25)
-    assert fit.offsets == {"a": 20.0, "b": 10.0}
-    assert fit.unseen == pytest.approx(0.2) and fit.terms("c") == (0.0, pytest.approx(0.2))
-    assert fit.peak(100, 100, "c") == pytest.approx(240.0) and fit.peak(100, 100, "a") == pytest.approx(220.0)
-    one = fit_memory([("a", 100, 0, 101)], unseen=0.25)
-    assert one.unseen == pytest.approx(0.25 * 2 / 3)
-    assert fit_memory([], unseen=0.25).terms("c") == (0.0, 0.0)  # before any step: the model
-
-
-def test_a_plan_is_priced_with_headroom_on_its_transients_alone():
-    """The resident tensors are counted exactly and the offset was measured: 10% headroom on
-    the model's transients only (the Nereus paper's 10%, on what the model estimates)."""
+def test_a_class_is_priced_at_its_measured_excess_in_bytes_or_as_a_share_and_an_unseen_one_at_the_largest():
+    """(class, resident, transient, measured): a exceeds the model by 20% (20 of 100), b by 5%
+    (10 of 200); "" (no training layout) by 50%. A class is priced at max(its bytes, its share ×
+    what the model counts): a at twice the transients, 40 of 200 — the slack grew with them. A
+    class not run takes the largest bytes or the largest share of a training class (20%); the
+    share of a generation-only rank does not count. An excess larger than the model's figure is
+    a process's own memory, not a slack: bytes alone. Before any step, nothing measured: the
+    model, priced with the Nereus paper's 10% on all of it, and 10% more on the transients and
+    the excess: the resident tensors alone are exact."""
+    from nereus.trainer.controller.classes import MemoryFit
     from nereus.trainer.controller.memory import HEADROOM
 
-    fit = fit_memory([("a", 80, 20, 110)], unseen=0.25)
-    assert fit.priced(80, 20, "a") == pytest.approx(80 + 20 * HEADROOM + 10)
-    assert fit.priced(80, 20, "new") == pytest.approx((80 + 20) * (1 + fit.unseen) + (HEADROOM - 1) * 20)
+    fit = fit_memory([("a", 80, 20, 120), ("b", 100, 100, 210), ("a", 80, 20, 110), ("", 10, 0, 15)], unseen=0.25)
+    assert fit.offsets == {"a": 20.0, "b": 10.0, "": 5.0} and fit.relative == {"a": 0.2, "b": 0.05, "": 0.5}
+    assert fit.unseen == pytest.approx(0.2) and fit.terms("c") == (20.0, pytest.approx(0.2))
+    assert fit.peak(80, 120, "a") == pytest.approx(200 + 40) and fit.peak(80, 0, "a") == pytest.approx(80 + 20)
+    assert fit.peak(100, 100, "c") == pytest.approx(240.0) and fit.peak(10, 10, "c") == pytest.approx(20 + 20)
+    assert fit.priced(80, 120, "a") == pytest.approx(240 + (HEADROOM - 1) * (120 + 40))  # the excess is measured, yet moves
+    process = fit_memory([("a", 1, 1, 12)], unseen=0.25)  # 10 over a model of 2: no slack of it
+    assert process.relative == {"a": 0.0} and process.peak(1, 100, "a") == pytest.approx(111.0)
+    assert process.unseen == pytest.approx(0.25 * 2 / 3)  # one training class measured: the prior, shrunk
+    nothing = MemoryFit()
+    assert nothing.peak(80, 20) == 100 and nothing.priced(80, 20) == pytest.approx(100 * HEADROOM + (HEADROOM - 1) * (20 + 10))
 
 
 def test_the_search_prices_a_layout_the_job_ran_at_its_correction_and_the_others_as_the_model_says():
