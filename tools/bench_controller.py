@@ -41,7 +41,8 @@
    each without, with selective and with full recompute: 12). They run interleaved inside
    one job with the controller off (``oracle_job``: a pass over the 12 every 12 steps,
    each pass starting 2 plans further on, 6 passes over the curriculum stretched to 72
-   steps; ``NEREUS_FORCE_PLAN``), so every plan meets the same load. Per plan, the
+   steps, then one pass at the longest answers; ``NEREUS_FORCE_PLAN``), so every plan meets
+   the same load. Per plan, the
    seconds of the pieces its plan changes (actor.train and its own forward) are fitted
    on 1, L, L² (``robust_fit``: refitted without the steps 3 robust σ off), the other
    pieces once over all steps, its peak interpolated in L; at each of the 40 steps of the
@@ -372,12 +373,13 @@ ORACLE_CYCLES, ORACLE_REPEATS, PAIRED_REPEATS = 6, 3, 2
 
 
 def fixed_plans(cfg) -> list:
-    """actor.train's plans in the controller's search space (``search.stage_options``) that
-    keep its starting layout: every micro-batch size and recompute, retuned in place (no
-    state moves, so they interleave inside one job). The other layouts of the space (FSDP,
-    TP, PP) are left out: on this CPU they are slower at every length and no leaner in
-    resident memory (docs/benchmarks.md's table), and a cycle over them all would take four
-    times as long."""
+    """actor.train's plans in the controller's search space (``search.stage_options``; the
+    job keeps it to data parallelism) that keep its starting layout: every micro-batch size
+    and recompute, retuned in place (no state moves, so they interleave inside one job).
+    Their FSDP twins are left out: on this CPU each is slower than its plain twin and no
+    leaner (tiny_wall at 160 tokens: FSDP with 2-row micro-batches and full recompute 132 MiB
+    and twice the seconds of the plain one's 116–122 MiB), so neither the oracle nor the best
+    fixed plan would take one, and the cycle would take twice as long."""
     from nereus.trainer.controller.search import stage_options
     from nereus.trainer.controller.workload import Workload
 
@@ -402,6 +404,13 @@ def cycle_order(plans: int, cycles: int) -> list[int]:
     places of a pass (and lengths of the curriculum) as there are passes."""
     shift = max(1, plans // max(cycles, 1))
     return [(i + c * shift) % plans for c in range(cycles) for i in range(plans)]
+
+
+def oracle_order(plans: int) -> list[int]:
+    """The oracle job's plan per step (pure): ``ORACLE_CYCLES`` passes over the growing
+    answers (``cycle_order``), then one more at the longest, where the memory wall is: every
+    plan's peak there is measured, not extrapolated."""
+    return cycle_order(plans, ORACLE_CYCLES) + list(range(plans))
 
 
 def step_peak(line: dict) -> int:
@@ -487,19 +496,19 @@ def grow_lengths(cfg) -> list[float]:
 
 def oracle_job(tmp: str, tag: str, plans: list, keep: Path | None = None) -> list[dict]:
     """tiny_wall with the controller off, its actor.train cycling through ``plans`` every
-    step (``cycle_order``; free retunes), ``ORACLE_CYCLES`` passes over the curriculum's
-    lengths stretched to the job's steps."""
+    step (``oracle_order``; free retunes): ``ORACLE_CYCLES`` passes over the curriculum's
+    lengths stretched to them, one more at the longest."""
     from nereus.trainer.elastic.phases import FORCE_PLAN_ENV, format_forced
     from nereus.trainer.prepare import load_config
 
     kept = keep / f"{tag}.jsonl" if keep is not None else None
     if kept is not None and kept.exists():
         return [json.loads(x) for x in kept.read_text().splitlines()]
-    order = cycle_order(len(plans), ORACLE_CYCLES)
+    order = oracle_order(len(plans))
     moves = {s: retune(plans[order[s]]) for s in range(1, len(order)) if order[s] != order[s - 1]}
     first = plans[order[0]]
     sets = [f"run_dir={tmp}/{tag}", "controller.enabled=false", "device_memory_gib=null", f"steps={len(order)}",
-            f"task.grow_steps={len(order) - 1}", f"plan.actor.train.recompute={first.recompute}",
+            f"task.grow_steps={len(order) - len(plans) - 1}", f"plan.actor.train.recompute={first.recompute}",
             f"plan.actor.train.micro_batch_size={first.micro_batch_size or 'null'}"]
     with environment({FORCE_PLAN_ENV: format_forced(moves)}):
         lines = run_job(load_config(TINY_WALL, sets))
@@ -550,7 +559,7 @@ def tiny_wall(keep: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="nereus-bench-wall-") as tmp:
         for r in range(ORACLE_REPEATS):
             lines = oracle_job(tmp, f"oracle{r}", plans, keep)
-            points, common = oracle_points(lines, cycle_order(len(plans), ORACLE_CYCLES), names)
+            points, common = oracle_points(lines, oracle_order(len(plans)), names)
             got = oracle_over_fixed(points, common, lengths, budget)
             out["oracle_runs"].append({**got, "points": points, "common": common})
             print(f"  ran oracle job {r}: {got['oracle_over_best_fixed']}, best fixed {got['best_fixed']}", file=sys.stderr, flush=True)

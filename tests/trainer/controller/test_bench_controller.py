@@ -27,13 +27,16 @@ def test_the_calibration_job_alternates_seen_and_held_out_layouts_and_counts_no_
         assert sum(c for n, c in zip(names, counted) if n == name) >= 4
 
 
-def test_the_oracle_job_runs_every_plan_once_a_pass_at_a_different_place_each_pass():
+def test_the_oracle_job_runs_every_plan_once_a_pass_at_a_different_place_each_pass_then_at_the_longest():
     order = bench.cycle_order(12, 6)
     assert len(order) == 72
     for c in range(6):
         assert sorted(order[12 * c:12 * (c + 1)]) == list(range(12))
     places = {p: {order[12 * c:12 * (c + 1)].index(p) for c in range(6)} for p in range(12)}
     assert all(len(v) == 6 for v in places.values())
+    job = bench.oracle_order(12)  # and a last pass at the longest answers, where the wall is
+    passes = 12 * bench.ORACLE_CYCLES
+    assert job[:passes] == bench.cycle_order(12, bench.ORACLE_CYCLES) and sorted(job[passes:]) == list(range(12))
 
 
 def test_a_robust_fit_drops_a_burst_and_keeps_the_curve():
