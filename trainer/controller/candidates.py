@@ -295,32 +295,51 @@ def stage_layers(layers: int, pp: int, stage: int, recompute: str) -> tuple[int,
     return len(r), ck
 
 
+@functools.lru_cache(maxsize=64)
+def _parameters(spec) -> tuple[np.ndarray, ...]:
+    """``plan_parameters(spec)`` as arrays: kind, first dimension, second (1 for a vector),
+    the product of the rest, layer (read-only; ``local_elements``)."""
+    params = plan_parameters(spec)
+    kinds = np.array([_KINDS.index(kind) if kind in _KINDS else len(_KINDS) for _n, _s, kind, _l in params])
+    first = np.array([shape[0] for _n, shape, _k, _l in params], dtype=np.int64)
+    second = np.array([shape[1] if len(shape) > 1 else 1 for _n, shape, _k, _l in params], dtype=np.int64)
+    rest = np.array([math.prod(shape[2:]) for _n, shape, _k, _l in params], dtype=np.int64)
+    layers = np.array([layer for *_, layer in params], dtype=np.int64)
+    return tuple(read_only(a) for a in (kinds, first, second, rest, layers))
+
+
+_KINDS = ("vocab", "col", "kv", "row")
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_of(layers: int, pp: int) -> np.ndarray:
+    """The pipeline stage of each layer (``plan_layer_ranges``; read-only)."""
+    out = np.zeros(max(layers, 1), dtype=np.int64)
+    for p, r in enumerate(plan_layer_ranges(layers, pp)):
+        out[r.start:r.stop] = p
+    return read_only(out)
+
+
 @functools.lru_cache(maxsize=8192)
 def local_elements(spec, tp: int, pp: int, dp: int = 1, dp_shard: bool = False) -> tuple[int, ...]:
     """Elements of weights one rank holds, per pipeline stage: TP rank 0's, the largest (every
     TP rank holds as many but of a vocabulary no tp divides, whose first shards hold
     ceil(V/tp) rows and the last fewer); with ``dp_shard`` the largest FSDP2 chunk. See
-    ``memory.py``'s module docstring."""
-    ranges = plan_layer_ranges(spec.num_layers, pp)
-    stage_of = {layer: p for p, r in enumerate(ranges) for layer in r}
-    out = [0] * pp
+    ``memory.py``'s module docstring. (Over every parameter at once: a search asks for
+    hundreds of layouts of an 8B model's ~300 parameters.)"""
+    kinds, first, second, rest, layers = _parameters(spec)
+    vocab, col, kv, row = (kinds == k for k in range(len(_KINDS)))
     kv_rows = spec.dim_head if tp > spec.num_kv_heads else spec.num_kv_heads * spec.dim_head // tp
-    for _name, shape, kind, layer in plan_parameters(spec):
-        if kind == "vocab":
-            local = (vocab_shard_rows(shape[0], tp), *shape[1:])
-        elif kind == "col" or (kind == "kv" and tp <= spec.num_kv_heads):
-            local = (shape[0] // tp, *shape[1:])
-        elif kind == "kv":
-            local = (kv_rows, *shape[1:])
-        elif kind == "row":
-            local = (shape[0], shape[1] // tp)
-        else:
-            local = tuple(shape)
-        n = math.prod(local[1:])
-        rows = -(-local[0] // dp) if dp_shard and dp > 1 else local[0]
-        stages = [stage_of[layer]] if layer >= 0 else [0] if layer == -1 else [pp - 1]
-        if layer == -1 and spec.tie_embeddings and spec.head == "lm" and pp > 1:
-            stages.append(pp - 1)  # the last stage's copy of the tied embedding
-        for p in stages:
-            out[p] += rows * n
-    return tuple(out)
+    rows = np.where(col | (kv & (tp <= spec.num_kv_heads)), first // tp, np.where(kv, kv_rows, first))
+    for i in np.flatnonzero(vocab).tolist():
+        rows[i] = vocab_shard_rows(int(first[i]), tp)
+    n = np.where(row, second // tp, second) * rest
+    if dp_shard and dp > 1:
+        rows = -(-rows // dp)
+    stages = np.where(layers >= 0, _stage_of(spec.num_layers, pp)[np.maximum(layers, 0)], np.where(layers == -1, 0, pp - 1))
+    held = rows * n
+    out = np.zeros(pp, dtype=np.int64)
+    np.add.at(out, stages, held)
+    if spec.tie_embeddings and spec.head == "lm" and pp > 1:  # the last stage's copy of the tied embedding
+        out[pp - 1] += held[layers == -1].sum()
+    return tuple(out.tolist())
