@@ -54,12 +54,17 @@
    times: ``adaptive_over_best_fixed`` = the fixed run's seconds ÷ the adaptive run's,
    transitions included, mean over the pairs (bar ≥ 1.10, issue 29; ``adaptive_fits``:
    every measured peak within the budget); ``transition_share`` = seconds in transitions
-   ÷ the adaptive runs' seconds (bar ≤ 2%).
+   ÷ the adaptive runs' seconds (bar ≤ 2%). The fixed plans keep every other stage and
+   actor.train's layout, so a controller that moves to another layout (fewer ranks for
+   every stage, say) can beat them without adapting: each pair then runs a third job, the
+   plan the controller ended in fixed from the first step with the controller off
+   (``hindsight``); ``adaptive_over_hindsight_static`` = its seconds ÷ the adaptive
+   run's, what the moves themselves bought.
 
 The last printed line is one JSON object: ``decision_ms_1024``, ``decision_ms_1024_cold``, ``calibration_error``,
 ``calibration_error_loaded`` (with ``_spread``, ``_raw``, ``calibration_floor``),
 ``cpu_oracle_over_best_fixed`` (with ``cpu_oracle_spread``), ``adaptive_over_best_fixed``,
-``transition_share`` and the figures behind them. The
+``adaptive_over_hindsight_static``, ``transition_share`` and the figures behind them. The
 machine is shared and noisy: compare the ratios of one run.
 """
 
@@ -541,9 +546,18 @@ def adaptive_run(tmp: str, tag: str, sets: list[str], budget: float) -> dict:
     out = {**summarize(lines, budget), "transitions": [
         {"step": e["step"], "to": label_dict(e["new_plan"]["actor"]["train"]), "measured_s": e["measured_s"],
          "predicted_s": e["predicted_s"], "rebuilt": e["rebuilt"]} for e in moves],
-        "transition_s": sum(e["measured_s"] for e in moves)}
+        "transition_s": sum(e["measured_s"] for e in moves), "final_plan": moves[-1]["new_plan"] if moves else None}
     out["run_s"] = sum(out["step_seconds"]) + out["transition_s"]
     return out
+
+
+def plan_sets(plan: dict) -> list[str]:
+    """A whole plan (a transition's ``new_plan``) as ``--set`` overrides (pure)."""
+    def value(v):
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else json.dumps(v)
+
+    return [f"plan.{model}.{stage}.{k}={value(v)}" for model, stages in sorted(plan.items()) if stages
+            for stage, sc in sorted(stages.items()) if sc for k, v in sorted(sc.items())]
 
 
 def tiny_wall(keep: Path | None = None) -> dict:
@@ -570,6 +584,10 @@ def tiny_wall(keep: Path | None = None) -> dict:
         for r in range(PAIRED_REPEATS):  # the best fixed plan and the controller, run after run
             pair = {"fixed": adaptive_run(tmp, f"fixed{r}", pinned, budget), "adaptive": adaptive_run(tmp, f"adaptive{r}", [], budget)}
             pair["adaptive_over_best_fixed"] = pair["fixed"]["run_s"] / pair["adaptive"]["run_s"]
+            final = pair["adaptive"]["final_plan"]
+            if final is not None:  # the plan the controller ended in, fixed from the first step: what its moves bought
+                pair["hindsight"] = adaptive_run(tmp, f"hindsight{r}", ["controller.enabled=false", "device_memory_gib=null", *plan_sets(final)], budget)
+                pair["adaptive_over_hindsight"] = pair["hindsight"]["run_s"] / pair["adaptive"]["run_s"]
             out["paired"].append(pair)
             print(f"  ran adaptive and {fixed}: {pair['adaptive_over_best_fixed']:.3f}", file=sys.stderr, flush=True)
     ratios = [run["oracle_over_best_fixed"] for run in out["oracle_runs"] if run["oracle_over_best_fixed"]]
@@ -582,6 +600,10 @@ def tiny_wall(keep: Path | None = None) -> dict:
         "adaptive_fits": all(a["fits"] for a in runs), "fixed_fits": all(p["fixed"]["fits"] for p in out["paired"]),
         "transition_share": sum(a["transition_s"] for a in runs) / sum(a["run_s"] for a in runs),
     })
+    hindsight = [p["adaptive_over_hindsight"] for p in out["paired"] if "adaptive_over_hindsight" in p]
+    if hindsight:
+        out.update(adaptive_over_hindsight_static=statistics.mean(hindsight),
+                   hindsight_fits=all(p["hindsight"]["fits"] for p in out["paired"] if "hindsight" in p))
     return out
 
 
@@ -686,10 +708,13 @@ def main() -> int:
         print(md(["steps", "longest answer", "plan", "plans that fit", "best fixed ÷ oracle"],
                  [[f"{a}–{b}", f"{runs[0]['steps'][a - 1]['length']:.0f}–{runs[0]['steps'][b - 1]['length']:.0f}", plan,
                    runs[0]["steps"][a - 1]["fitting"], f"{gain(a, b):.2f}"] for a, b, plan in spans]))
-        print(f"\nThe best fixed plan ({grow['best_fixed']}) and the controller, run after run:\n")
+        print(f"\nThe best fixed plan ({grow['best_fixed']}), the controller, and the plan the controller ended in fixed from "
+              "the first step (hindsight), run after run:\n")
         rows = []
         for i, pair in enumerate(grow["paired"]):
-            for kind in ("fixed", "adaptive"):
+            for kind in ("fixed", "adaptive", "hindsight"):
+                if kind not in pair:
+                    continue
                 a = pair[kind]
                 rows.append([i, kind, f"{a['run_s']:.1f}", f"{a['peak_mib']:.0f}", a["fits"],
                              "; ".join(f"step {t['step']} → {t['to']} ({t['measured_s']:.3f} s)" for t in a["transitions"])])
@@ -699,7 +724,8 @@ def main() -> int:
               "its own runs: " + ", ".join(f"{p['fixed']['run_s']:.1f}" for p in grow["paired"]) + " s")
         result.update(tiny_wall=grow)
         headline.update({k: grow[k] for k in ("cpu_oracle_over_best_fixed", "cpu_oracle_spread", "cpu_oracle_each", "best_fixed",
-                                              "adaptive_over_best_fixed", "adaptive_spread", "adaptive_fits", "transition_share")})
+                                              "adaptive_over_best_fixed", "adaptive_spread", "adaptive_fits", "transition_share",
+                                              "adaptive_over_hindsight_static", "hindsight_fits") if k in grow})
         bars.update(cpu_oracle_over_best_fixed=(grow["cpu_oracle_over_best_fixed"] or 0) >= ORACLE_BAR,
                     adaptive_over_best_fixed=grow["adaptive_over_best_fixed"] >= ADAPTIVE_BAR and grow["adaptive_fits"],
                     transition_share=headline["transition_share"] <= SHARE_BAR)

@@ -1,6 +1,7 @@
 """tools/bench_controller.py's pure parts: the calibration job's schedule of layouts, and the
 CPU oracle over fixed plans from an interleaved job (fits, the burst a robust fit drops)."""
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -75,3 +76,15 @@ def test_the_oracle_switches_where_the_fast_plan_stops_fitting_and_the_best_fixe
     assert got["oracle_over_best_fixed"] == pytest.approx(lean / oracle)
     none = bench.oracle_over_fixed(points, common, lengths, budget=40.0)
     assert none["best_fixed"] is None and none["oracle_over_best_fixed"] is None and math.isnan(none["steps"][0]["seconds"])
+
+
+def test_the_plan_the_controller_ended_in_is_pinned_whole_as_overrides():
+    from nereus.trainer.prepare import load_config
+
+    cfg = load_config(bench.TINY_WALL)
+    moved = {"actor": {"train": {**dataclasses.asdict(cfg.plan.actor.train), "dp": 2, "ranks": [0, 1], "micro_batch_tokens": 165},
+                       "gen": {**dataclasses.asdict(cfg.plan.actor.gen), "dp": 2, "ranks": [2, 3], "dp_shard": True}}}
+    pinned = load_config(bench.TINY_WALL, bench.plan_sets(moved)).plan
+    assert dataclasses.asdict(pinned.actor.train) == {**moved["actor"]["train"], "ranks": (0, 1)}
+    assert dataclasses.asdict(pinned.actor.gen) == {**moved["actor"]["gen"], "ranks": (2, 3)}
+    assert pinned.ref == cfg.plan.ref  # what the move left alone stays as the config has it
