@@ -63,6 +63,7 @@ search is priced at once (``candidate_features``: arrays over ``candidates.Candi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -130,23 +131,24 @@ def _links(profile: DeviceProfile, c: Candidates, nproc: int, size: np.ndarray, 
     a small message: a ring over the slowest link, 2(n−1) hops, or a tree across the k nodes
     the group spans after a chain within each (g ranks on a node): 2(g−1) intra hops and
     2⌈log₂ k⌉ inter ones."""
-    span = np.zeros(len(c.layouts), dtype=np.int64)  # k: nodes the group spans
-    per = np.ones(len(c.layouts), dtype=np.int64)  # g: its ranks on its fullest node
-    held = [sc.ranks for sc in c.layouts]
-    spans: dict = {}
-    for i, (ranks, n, step) in enumerate(zip(held, size.tolist(), stride.tolist())):
-        key = (id(ranks), n, step)
-        if key not in spans:
-            order = np.asarray(ranks) if ranks is not None else np.arange(nproc)
-            nodes = order[np.arange(n) * step] // profile.devices_per_node
-            spans[key] = (len(np.unique(nodes)), int(np.bincount(nodes - nodes.min()).max()))
-        span[i], per[i] = spans[key]
+    got = [_span(sc.ranks, nproc, n, step, profile.devices_per_node) for sc, n, step in zip(c.layouts, size.tolist(), stride.tolist())]
+    span = np.array([k for k, _ in got], dtype=np.int64).reshape(-1)  # k: nodes the group spans
+    per = np.array([g for _, g in got], dtype=np.int64).reshape(-1)  # g: its ranks on its fullest node
     links = [profile.links[k] for k in ("local", "intra", "inter")]
     which = np.where(size < 2, 0, np.where(span < 2, 1, 2))
     bandwidth, latency = np.array([x.bandwidth for x in links])[which], np.array([x.latency for x in links])[which]
     tree = 2 * (per - 1) * links[1].latency + 2 * np.ceil(np.log2(np.maximum(span, 1))) * links[2].latency
     reduce = np.where(size < 2, 0.0, np.minimum(_hops(size, 2) * latency, tree))
     return bandwidth, latency, reduce
+
+
+@functools.lru_cache(maxsize=65536)
+def _span(ranks: tuple[int, ...] | None, nproc: int, n: int, step: int, per_node: int) -> tuple[int, int]:
+    """(nodes spanned, ranks on the fullest node) of the group of ``n`` ranks ``step`` apart
+    from the first of ``ranks`` (None: 0..nproc−1), nodes of ``per_node`` ranks in order."""
+    order = np.asarray(ranks) if ranks is not None else np.arange(nproc)
+    nodes = order[np.arange(n) * step] // per_node
+    return len(np.unique(nodes)), int(np.bincount(nodes - nodes.min()).max())
 
 
 def _reduce_latency(profile: DeviceProfile, ranks: int) -> float:
