@@ -48,24 +48,33 @@ class MemoryFit:
     what the model counts (an allocator's slack grows with what it holds). A class the job has
     not run yet takes the largest offset measured or ``unseen`` of the model's figure,
     whichever is larger. Before any step, every class: ``HEADROOM`` − 1 of the model's figure
-    (the Nereus paper's 10%)."""
+    (the Nereus paper's 10%). A plan is priced with a measured class's excess raised by
+    ``noise``, the measurement's own (``online.MEASURED_NOISE``: on CPU a peak is the process's
+    resident high-water mark, which moves by ~8% between like steps; on a GPU the caching
+    allocator's counters, exact)."""
 
     offsets: dict[str, float] = field(default_factory=dict)
     relative: dict[str, float] = field(default_factory=dict)
     unseen: float = 0.0
+    noise: float = 0.0
 
     def terms(self, cls: str) -> tuple[float, float]:
-        """(offset, margin): the peak is ``excess_peak(resident, transient, offset, margin)``."""
+        """(offset, margin) a plan is priced with: its peak is ``excess_peak(resident,
+        transient, offset, margin)`` before the headroom on the transients (``priced_peak``)."""
         if cls in self.offsets:
-            return self.offsets[cls], self.relative.get(cls, 0.0)
+            return self.offsets[cls] * (1.0 + self.noise), self.relative.get(cls, 0.0) * (1.0 + self.noise)
         if not self.offsets:
             return 0.0, HEADROOM - 1.0
         return max(self.offsets.values()), self.unseen
 
     def peak(self, resident: float, transient: float, cls: str = "") -> float:
         """A rank's peak in class ``cls``, as the model and the fit predict it (before any
-        step: the model's)."""
-        return excess_peak(resident, transient, *self.terms(cls)) if self.offsets else resident + transient
+        step: the model's; a measured class without the noise)."""
+        if not self.offsets:
+            return resident + transient
+        if cls in self.offsets:
+            return excess_peak(resident, transient, self.offsets[cls], self.relative.get(cls, 0.0))
+        return excess_peak(resident, transient, *self.terms(cls))
 
     def priced(self, resident: float, transient: float, cls: str = "") -> float:
         """A rank's peak in class ``cls`` as a plan is priced against the budget (``priced_peak``)."""
@@ -161,7 +170,7 @@ class _Terms:
         return got
 
 
-def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY_STEPS, unseen: float = 0.25) -> MemoryFit:
+def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY_STEPS, unseen: float = 0.25, noise: float = 0.0) -> MemoryFit:
     """The memory model's correction from (class, resident, transient, measured) samples: per
     class, over its ``recent`` latest samples (the controller's: a step's worst rank each), the
     largest excess of the measured peak over the model's — what the model does not count
@@ -170,7 +179,8 @@ def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY
     the model's figure is no slack of it — a process's own memory, say — and counts in bytes
     alone). A class not run yet is priced with the largest share measured on a class of
     training layouts, never below the prior ``unseen`` shrunk by those measured, ``unseen · 2
-    / (2 + n)``: learned, not feared. A class left long ago keeps its excess."""
+    / (2 + n)``: learned, not feared. A class left long ago keeps its excess. ``noise``: the
+    share of a measured excess a plan is priced with on top (``MemoryFit``)."""
     by_class: dict[str, list[tuple[float, float]]] = {}
     for cls, r, t, m in samples:
         by_class.setdefault(cls, []).append((float(m - r - t), float(r + t)))
@@ -178,5 +188,5 @@ def fit_memory(samples: list[tuple[str, int, int, int]], *, recent: int = MEMORY
     shares = {c: max((max(0.0, x) / p for x, p in v[-recent:] if p > 0), default=0.0) for c, v in by_class.items()}
     relative = {c: x if x <= 1.0 else 0.0 for c, x in shares.items()}
     trained = [c for c in by_class if c]  # "": ranks that hold no training layout
-    return MemoryFit(offsets=offsets, relative=relative,
+    return MemoryFit(offsets=offsets, relative=relative, noise=noise,
                      unseen=max([unseen * 2 / (2 + len(trained))] + [relative[c] for c in trained]))

@@ -62,8 +62,8 @@ model's ``max_seq_len``; the controller passes the coming step's):
 
 The peak takes 10% headroom (the Nereus paper's) before it is compared with the budget, and 10%
 more on its transients, which grow with the lengths; once the job measured a class of ranks, its
-measured excess replaces the first 10% (``classes.MemoryFit``), and the second covers the excess
-too: it moves from step to step (``priced_peak``). The resident tensors are exact.
+measured excess, with the measurement's own noise on CPU, replaces the first 10%
+(``classes.MemoryFit``, ``priced_peak``). The resident tensors are exact.
 Every candidate of a search is priced at once (``candidate_memory``: arrays over
 ``candidates.Candidates``); ``pipeline_memory`` is the same computation for one stage config.
 Shortcuts: no allocator fragmentation model, no communication buffers, no CUDA context;
@@ -348,12 +348,11 @@ def excess_peak(resident, transient, offset, margin):
 
 def priced_peak(resident, transient, offset, margin):
     """The peak a plan is priced at against the budget: ``excess_peak`` and the headroom
-    (``HEADROOM``) on what is estimated — the transients (activations, caches, buffers: the
-    model's figure, growing with the lengths) and the excess (measured, but a process's slack
-    moves from step to step: on CPU its resident set jumps by ~8% of it between like steps).
-    The resident tensors are counted exactly and take none (elementwise over arrays)."""
-    excess = np.maximum(offset, margin * (resident + transient))
-    return resident + transient + excess + (HEADROOM - 1.0) * (transient + excess)
+    (``HEADROOM``) on the transients — the activations, caches and buffers are the model's
+    estimate and grow with the lengths; the resident tensors are counted exactly and the
+    excess was measured (its measurement's noise is in the terms: ``classes.MemoryFit``)
+    (elementwise over arrays)."""
+    return excess_peak(resident, transient, offset, margin) + (HEADROOM - 1.0) * transient
 
 
 def check_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> None:

@@ -66,6 +66,13 @@ least well; on CPU FSDP2 measured ~20% over it); ``classes.fit_memory`` shrinks 
 are measured, and takes the largest share measured when that is larger."""
 
 
+MEASURED_NOISE = {"cpu": HEADROOM - 1.0}
+"""Per device kind, the share of a measured memory excess a plan is priced with on top
+(``classes.MemoryFit.noise``): on CPU a step's peak is the process's resident high-water mark
+(``metrics/meters.py``), which moves by ~8% of the excess between like steps (tiny_grow's rank
+0 jumped 136.6 → 147.4 MiB for one more token); a GPU's is the caching allocator's own counter."""
+
+
 class Controller:
     """See the module docstring. ``run_dir`` None: no log files (``nereus plan``, tests)."""
 
@@ -215,7 +222,7 @@ class Controller:
                 if members.size:
                     self.held_record.setdefault(cls, deque(maxlen=MEMORY_STEPS)).append(int(members.max()) - resident)
         if self.settings.calibrate:
-            self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN)
+            self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN, noise=MEASURED_NOISE.get(self.profile.kind, 0.0))
         return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes}
 
     # ------------------------------------------------------------------ deciding
@@ -571,7 +578,7 @@ class Controller:
                 model = self.model.calibrate_rows(self.samples.matrix())
                 self.model = dataclasses.replace(model, corrections=self.evidence.corrections(np.array([model.coef[k] for k in OP_CLASSES])))
             if self.memory_record:
-                self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN)
+                self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN, noise=MEASURED_NOISE.get(self.profile.kind, 0.0))
             if self.transfers:
                 self.transitions = self.transitions.with_links(list(self.transfers), self.links)
             if self.transition_samples:

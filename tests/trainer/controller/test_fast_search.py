@@ -66,11 +66,6 @@ def reference_frontier(candidates: list[Candidate]) -> list[Candidate]:
     return sorted(out, key=lambda c: c.seconds)
 
 
-def _priced(peak: float, resident: float) -> float:
-    """A calibrated peak with the headroom on all but the resident tensors."""
-    return peak + (HEADROOM - 1.0) * (peak - resident)
-
-
 def reference_prune(grown: list, budget, beam: int, *, final: bool):
     if not grown:
         return [], math.inf
@@ -79,8 +74,7 @@ def reference_prune(grown: list, budget, beam: int, *, final: bool):
     if final:
         corr = np.array([g[5] for g in grown], dtype=np.float64)
         offset, margin = corr[..., 0], corr[..., 1]
-        excess = np.maximum(offset, margin * (res + tr))
-        peak = res + tr + excess + (HEADROOM - 1.0) * (tr + excess)  # the excess, then headroom on all but the resident
+        peak = res + tr + np.maximum(offset, margin * (res + tr)) + (HEADROOM - 1.0) * tr  # the excess, then headroom on the transients
         mem = np.hstack([res, tr, offset, margin])
     else:
         peak, mem = res + tr * HEADROOM, np.hstack([res, tr])
@@ -143,7 +137,7 @@ def reference_search(cfg, work, profile, model, *, fit=MemoryFit(), top=5, beam=
             if not partial:
                 break
         for secs, res, tr, picked, kinds, _ in partial:
-            peaks = {g: _priced(fit.peak(res[g], tr[g], rank_class(kinds[g])), res[g]) for g in sorted({c.group for c in picked})}
+            peaks = {g: fit.peak(res[g], tr[g], rank_class(kinds[g])) + (HEADROOM - 1.0) * tr[g] for g in sorted({c.group for c in picked})}
             choices.append((secs, {c.key: c.seconds for c in picked}, peaks, placement, {c.key: c.config for c in picked}))
     choices.sort(key=lambda c: c[0])
     return choices[:top]

@@ -233,10 +233,9 @@ def test_the_search_matches_brute_force_under_a_calibrated_memory_fit(slack):
     running = rank_class(cfg.plan.stages().items())
     fit = MemoryFit(offsets={running: 0.0}, unseen=0.25)
     run = [next(r for r in options[k] if r[1] == sc) for k, sc in cfg.plan.stages().items()]
-    def priced(combo, cls):  # the calibrated peak, with the headroom on all but the resident tensors
-        resident = sum(r[3] for r in combo)
-        peak = fit.peak(resident, max(r[4] for r in combo), cls)
-        return peak + (HEADROOM - 1.0) * (peak - resident)
+    def priced(combo, cls):  # the calibrated peak, with the headroom on the transients
+        transient = max(r[4] for r in combo)
+        return fit.peak(sum(r[3] for r in combo), transient, cls) + (HEADROOM - 1.0) * transient
 
     budget = priced(run, running) * slack
     plans = [(sum(r[2] for r in combo), priced(combo, rank_class((r[0], r[1]) for r in combo))) for combo in itertools.product(*options.values())]
