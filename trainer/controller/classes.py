@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import StageConfig
 from ..config.names import is_train
-from .memory import HEADROOM, excess_peak, priced_peak
+from .memory import excess_peak, priced_peak
 
 
 MEMORY_STEPS = 12
@@ -47,8 +47,8 @@ class MemoryFit:
     relative[c] · (resident + transient))``: the excess measured, in bytes or as a share of
     what the model counts (an allocator's slack grows with what it holds). A class the job has
     not run yet takes the largest offset measured or ``unseen`` of the model's figure,
-    whichever is larger. Before any step, every class: ``HEADROOM`` − 1 of the model's figure
-    (the Nereus paper's 10%). A plan is priced with a measured class's excess raised by
+    whichever is larger. Before any step, every class: the model's figure (the headroom on its
+    transients, ``priced_peak``, is all the margin: the resident tensors are exact). A plan is priced with a measured class's excess raised by
     ``noise``, the measurement's own (``online.MEASURED_NOISE``: on CPU a peak is the process's
     resident high-water mark, which moves by ~8% between like steps; on a GPU the caching
     allocator's counters, exact)."""
@@ -64,7 +64,7 @@ class MemoryFit:
         if cls in self.offsets:
             return self.offsets[cls] * (1.0 + self.noise), self.relative.get(cls, 0.0) * (1.0 + self.noise)
         if not self.offsets:
-            return 0.0, HEADROOM - 1.0
+            return 0.0, 0.0
         return max(self.offsets.values()), self.unseen
 
     def peak(self, resident: float, transient: float, cls: str = "") -> float:

@@ -60,10 +60,10 @@ model's ``max_seq_len``; the controller passes the coming step's):
   and KV cache freed), and while generating holds ``rollout.gpu_memory_utilization`` of the
   device (its weights and KV-cache pool): resident 0, transient that share.
 
-The peak takes 10% headroom (the Nereus paper's) before it is compared with the budget, and 10%
-more on its transients, which grow with the lengths; once the job measured a class of ranks, its
-measured excess, with the measurement's own noise on CPU, replaces the first 10%
-(``classes.MemoryFit``, ``priced_peak``). The resident tensors are exact.
+The peak takes 10% headroom (the Nereus paper's) on its transients before it is compared with the
+budget: they are the model's estimate and grow with the lengths, while the resident tensors are
+counted exactly. Once the job measured a class of ranks, its measured excess, with the
+measurement's own noise on CPU, is added (``classes.MemoryFit``, ``priced_peak``).
 Every candidate of a search is priced at once (``candidate_memory``: arrays over
 ``candidates.Candidates``); ``pipeline_memory`` is the same computation for one stage config.
 Shortcuts: no allocator fragmentation model, no communication buffers, no CUDA context;
@@ -364,7 +364,7 @@ def check_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> None:
     limit = int(budget * GIB)
     for rank, stages in sorted(plan_memory(cfg, plan, seq=seq).items()):
         total, worst = rank_peak(stages)
-        peak = int(priced_peak(total - worst.transient, worst.transient, 0.0, HEADROOM - 1.0))  # classes.MemoryFit().priced: nothing measured yet
+        peak = int(priced_peak(total - worst.transient, worst.transient, 0.0, 0.0))  # classes.MemoryFit().priced: nothing measured yet
         if peak > limit:
             biggest = max(stages, key=lambda s: s.resident + s.transient)
             raise ConfigError(

@@ -80,8 +80,8 @@ def test_a_class_is_priced_at_its_measured_excess_in_bytes_or_as_a_share_and_an_
     class not run takes the largest bytes or the largest share of a training class (20%); the
     share of a generation-only rank does not count. An excess larger than the model's figure is
     a process's own memory, not a slack: bytes alone. Before any step, nothing measured: the
-    model, priced with the Nereus paper's 10% on all of it and 10% more on the transients. A
-    noisy measurement (a CPU's) prices a measured excess with its noise on top."""
+    model, priced with the Nereus paper's 10% on its transients (the resident tensors are exact).
+    A noisy measurement (a CPU's) prices a measured excess with its noise on top."""
     from nereus.trainer.controller.classes import MemoryFit
     from nereus.trainer.controller.memory import HEADROOM
 
@@ -97,7 +97,7 @@ def test_a_class_is_priced_at_its_measured_excess_in_bytes_or_as_a_share_and_an_
     assert process.relative == {"a": 0.0} and process.peak(1, 100, "a") == pytest.approx(111.0)
     assert process.unseen == pytest.approx(0.25 * 2 / 3)  # one training class measured: the prior, shrunk
     nothing = MemoryFit()
-    assert nothing.peak(80, 20) == 100 and nothing.priced(80, 20) == pytest.approx(100 * HEADROOM + (HEADROOM - 1) * 20)
+    assert nothing.peak(80, 20) == 100 and nothing.priced(80, 20) == pytest.approx(100 + (HEADROOM - 1) * 20)
 
 
 def test_the_search_prices_a_layout_the_job_ran_at_its_correction_and_the_others_as_the_model_says():

@@ -36,8 +36,7 @@ def brute_force(cfg, work, model):
             mem = pipeline_memory(cfg, key, sc, seq=work.width, ends=True)
             rows.append((stage_seconds(cfg, key, sc, work, where, model), max(m.resident for m in mem), max(m.transient for m in mem)))
         per_stage[key] = rows
-    return [(sum(s for s, _, _ in combo), (sum(r for _, r, _ in combo) + max(t for _, _, t in combo)) * HEADROOM
-             + (HEADROOM - 1.0) * max(t for _, _, t in combo))  # nothing measured: 10% on all, 10% more on the transients
+    return [(sum(s for s, _, _ in combo), sum(r for _, r, _ in combo) + max(t for _, _, t in combo) * HEADROOM)  # nothing measured: 10% on the transients
             for combo in itertools.product(*per_stage.values())]
 
 
