@@ -526,9 +526,11 @@ def oracle_job(tmp: str, tag: str, plans: list, keep: Path | None = None) -> lis
     from nereus.trainer.prepare import load_config
 
     kept = keep / f"{tag}.jsonl" if keep is not None else None
-    if kept is not None and kept.exists():
-        return [json.loads(x) for x in kept.read_text().splitlines()]
     order = oracle_order(len(plans))
+    if kept is not None and kept.exists():
+        lines = [json.loads(x) for x in kept.read_text().splitlines()]
+        if len(lines) == len(order):  # a kept job of another schedule is run again, not misread
+            return lines
     moves = {s: retune(plans[order[s]]) for s in range(1, len(order)) if order[s] != order[s - 1]}
     first = plans[order[0]]
     sets = [f"run_dir={tmp}/{tag}", "controller.enabled=false", "device_memory_gib=null", f"steps={len(order)}",

@@ -50,7 +50,7 @@ class MemoryFit:
     whichever is larger. Before any step, every class: the model's figure (the headroom on its
     transients, ``priced_peak``, is all the margin: the resident tensors are exact). A plan is priced with a measured class's excess raised by
     ``noise``, the measurement's own (``online.MEASURED_NOISE``: on CPU a peak is the process's
-    resident high-water mark, which moves by ~8% between like steps; on a GPU the caching
+    resident high-water mark, which jumps by ~8% of the peak between like steps; on a GPU the caching
     allocator's counters, exact)."""
 
     offsets: dict[str, float] = field(default_factory=dict)
@@ -65,7 +65,7 @@ class MemoryFit:
             return self.offsets[cls] * (1.0 + self.noise), self.relative.get(cls, 0.0) * (1.0 + self.noise)
         if not self.offsets:
             return 0.0, 0.0
-        return max(self.offsets.values()), self.unseen
+        return max(self.offsets.values()) * (1.0 + self.noise), self.unseen * (1.0 + self.noise)  # never below the classes it borrows from
 
     def peak(self, resident: float, transient: float, cls: str = "") -> float:
         """A rank's peak in class ``cls``, as the model and the fit predict it (before any

@@ -357,7 +357,7 @@ def priced_peak(resident, transient, offset, margin):
 
 def check_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> None:
     """Raise ConfigError naming the rank, the model-stage and the excess when a rank's peak
-    (with 10% headroom) exceeds ``device_memory_gib``; no budget, no check."""
+    (with 10% headroom on its transients) exceeds ``device_memory_gib``; no budget, no check."""
     budget = cfg.device_memory_gib
     if budget is None:
         return
@@ -369,7 +369,7 @@ def check_memory(cfg: JobConfig, plan=None, *, seq: int | None = None) -> None:
             biggest = max(stages, key=lambda s: s.resident + s.transient)
             raise ConfigError(
                 f"plan over the memory budget on rank {rank}{f' at {seq} tokens per row' if seq else ''}: "
-                f"needs {gib(peak)} GiB with 10% headroom "
+                f"needs {gib(peak)} GiB with 10% headroom on its transients "
                 f"> device_memory_gib={budget:g} by {gib(peak - limit)} GiB; largest model-stage there: "
                 f"{biggest.stage} ({gib(biggest.resident + biggest.transient)} GiB), peak while "
                 f"{worst.stage} runs"

@@ -69,8 +69,9 @@ are measured, and takes the largest share measured when that is larger."""
 MEASURED_NOISE = {"cpu": HEADROOM - 1.0}
 """Per device kind, the share of a measured memory excess a plan is priced with on top
 (``classes.MemoryFit.noise``): on CPU a step's peak is the process's resident high-water mark
-(``metrics/meters.py``), which moves by ~8% of the excess between like steps (tiny_grow's rank
-0 jumped 136.6 → 147.4 MiB for one more token); a GPU's is the caching allocator's own counter."""
+(``metrics/meters.py``), which jumps between like steps (tiny_grow's rank 0: 136.6 → 147.4 MiB,
+8% of the whole peak, for one more token); a GPU's is the caching allocator's own counter (blind
+to fragmentation, the CUDA context and NCCL's buffers, which no term prices before a step)."""
 
 
 class Controller:

@@ -93,6 +93,7 @@ def test_a_class_is_priced_at_its_measured_excess_in_bytes_or_as_a_share_and_an_
     assert fit.priced(80, 120, "a") == pytest.approx(240 + (HEADROOM - 1) * 120)  # the excess measured: headroom on the transients
     noisy = fit_memory([("a", 80, 20, 120), ("a", 80, 20, 110)], unseen=0.25, noise=0.1)  # a CPU's resident high-water marks
     assert noisy.peak(80, 120, "a") == pytest.approx(240) and noisy.priced(80, 120, "a") == pytest.approx(200 + 40 * 1.1 + 12)
+    assert noisy.priced(80, 20, "b") >= noisy.priced(80, 20, "a")  # a class not run is never priced below the one it borrows from
     process = fit_memory([("a", 1, 1, 12)], unseen=0.25)  # 10 over a model of 2: no slack of it
     assert process.relative == {"a": 0.0} and process.peak(1, 100, "a") == pytest.approx(111.0)
     assert process.unseen == pytest.approx(0.25 * 2 / 3)  # one training class measured: the prior, shrunk
