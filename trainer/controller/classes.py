@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import StageConfig
 from ..config.names import is_train
-from .memory import excess_peak, priced_peak
+from .memory import HEADROOM, excess_peak, priced_peak
 
 
 MEMORY_STEPS = 12
@@ -40,6 +40,21 @@ def rank_class(stages) -> str:
     return ",".join(sorted(f"{key}:{sc if isinstance(sc, str) else layout_kind(sc)}" for key, sc in stages if is_train(key)))
 
 
+UNSEEN_MARGIN = 0.25
+"""The prior share of the model's peak a class of training layouts (``rank_class``) the
+job has not run yet may exceed it by (FSDP2's, TP's and PP's buffers are what the model counts
+least well; on CPU FSDP2 measured ~20% over it); ``fit_memory`` shrinks it as classes
+are measured, and takes the largest share measured when that is larger."""
+
+
+MEASURED_NOISE = {"cpu": HEADROOM - 1.0}
+"""Per device kind, the share of a measured memory excess a plan is priced with on top
+(``MemoryFit.noise``): on CPU a step's peak is the process's resident high-water mark
+(``metrics/meters.py``), which jumps between like steps (tiny_grow's rank 0: 136.6 → 147.4 MiB,
+8% of the whole peak, for one more token); a GPU's is the caching allocator's own counter (blind
+to fragmentation, the CUDA context and NCCL's buffers, which no term prices before a step)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryFit:
     """The memory model's correction, fitted to measured peaks (``fit_memory``). A rank of
@@ -48,10 +63,9 @@ class MemoryFit:
     what the model counts (an allocator's slack grows with what it holds). A class the job has
     not run yet takes the largest offset measured or ``unseen`` of the model's figure,
     whichever is larger. Before any step, every class: the model's figure (the headroom on its
-    transients, ``priced_peak``, is all the margin: the resident tensors are exact). A plan is priced with a measured class's excess raised by
-    ``noise``, the measurement's own (``online.MEASURED_NOISE``: on CPU a peak is the process's
-    resident high-water mark, which jumps by ~8% of the peak between like steps; on a GPU the caching
-    allocator's counters, exact)."""
+    transients, ``priced_peak``, is all the margin: the resident tensors are exact). A plan is
+    priced with a measured excess, and one borrowed by a class not run, raised by ``noise``,
+    the measurement's own (``MEASURED_NOISE``)."""
 
     offsets: dict[str, float] = field(default_factory=dict)
     relative: dict[str, float] = field(default_factory=dict)

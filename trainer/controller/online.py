@@ -12,7 +12,7 @@ recalibrates: the step-time model on every piece seen so far (``steptime.calibra
 layout run's correction and band (``evidence.LayoutEvidence``), and the memory correction
 (``classes.fit_memory``: per class of training layouts, the largest excess of its recent
 measured peaks over the model, in bytes or as a share; a class not run yet priced with the
-largest share measured, never below ``UNSEEN_MARGIN`` shrunk by the classes measured).
+largest share measured, never below ``classes.UNSEEN_MARGIN`` shrunk by the classes measured).
 ``decide`` checks the triggers of ``admission`` (the first observed step among them: the
 initial plan was made before any step was measured), searches (``search``) for the coming
 step's workload, prices the best plan's transition (``transition``) and applies the
@@ -43,7 +43,7 @@ from ..config import ConfigError, JobConfig, PlanConfig, build_tree, config_to_d
 from .admission import Decision, DriftWatch, admit, difference_spread, trial
 from .memory import HEADROOM, distinct_ranks, gib
 from .profiles import DeviceProfile
-from .classes import MEMORY_STEPS, MemoryFit, fit_memory, rank_class
+from .classes import MEASURED_NOISE, MEMORY_STEPS, UNSEEN_MARGIN, MemoryFit, fit_memory, rank_class
 from .evidence import LayoutEvidence, SampleRows, layout_key
 from .search import PlanChoice, device_budget, plan_seconds, search
 from .steptime import OP_CLASSES, Placement, StepTimeModel
@@ -59,20 +59,6 @@ STEP_WINDOW = 5
 """Steps the watched step seconds is the median of (``signals``)."""
 TRIAL_STEPS = 3
 """Measured steps of a tried plan before it is judged against the plan it left (``_judge_trial``)."""
-UNSEEN_MARGIN = 0.25
-"""The prior share of the model's peak a class of training layouts (``classes.rank_class``) the
-job has not run yet may exceed it by (FSDP2's, TP's and PP's buffers are what the model counts
-least well; on CPU FSDP2 measured ~20% over it); ``classes.fit_memory`` shrinks it as classes
-are measured, and takes the largest share measured when that is larger."""
-
-
-MEASURED_NOISE = {"cpu": HEADROOM - 1.0}
-"""Per device kind, the share of a measured memory excess a plan is priced with on top
-(``classes.MemoryFit.noise``): on CPU a step's peak is the process's resident high-water mark
-(``metrics/meters.py``), which jumps between like steps (tiny_grow's rank 0: 136.6 → 147.4 MiB,
-8% of the whole peak, for one more token); a GPU's is the caching allocator's own counter (blind
-to fragmentation, the CUDA context and NCCL's buffers, which no term prices before a step)."""
-
 
 class Controller:
     """See the module docstring. ``run_dir`` None: no log files (``nereus plan``, tests)."""
