@@ -331,8 +331,7 @@ def local_elements(spec, tp: int, pp: int, dp: int = 1, dp_shard: bool = False) 
     vocab, col, kv, row = (kinds == k for k in range(len(_KINDS)))
     kv_rows = spec.dim_head if tp > spec.num_kv_heads else spec.num_kv_heads * spec.dim_head // tp
     rows = np.where(col | (kv & (tp <= spec.num_kv_heads)), first // tp, np.where(kv, kv_rows, first))
-    for i in np.flatnonzero(vocab).tolist():
-        rows[i] = vocab_shard_rows(int(first[i]), tp)
+    rows = np.where(vocab, vocab_shard_rows(first, tp), rows)
     n = np.where(row, second // tp, second) * rest
     if dp_shard and dp > 1:
         rows = -(-rows // dp)

@@ -118,6 +118,10 @@ class Controller:
         table = self.model.corrections.get(key)
         return table.get(layout_key(stages[key], nproc), 1.0) if table and key in stages else 1.0
 
+    def fitted_memory(self) -> MemoryFit:
+        """The memory correction from the record (``classes.fit_memory``), its noise the device kind's."""
+        return fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN, noise=MEASURED_NOISE.get(self.profile.kind, 0.0))
+
     def memory_samples(self) -> list[tuple[str, int, int, int]]:
         """The memory record as ``fit_memory``'s (class, resident, transient, measured) samples."""
         return [(cls, *sample) for cls, record in self.memory_record.items() for sample in record]
@@ -209,7 +213,7 @@ class Controller:
                 if members.size:
                     self.held_record.setdefault(cls, deque(maxlen=MEMORY_STEPS)).append(int(members.max()) - resident)
         if self.settings.calibrate:
-            self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN, noise=MEASURED_NOISE.get(self.profile.kind, 0.0))
+            self.memory = self.fitted_memory()
         return {"predicted_bytes": predicted, "measured_bytes": measured, "classes": classes}
 
     # ------------------------------------------------------------------ deciding
@@ -565,7 +569,7 @@ class Controller:
                 model = self.model.calibrate_rows(self.samples.matrix())
                 self.model = dataclasses.replace(model, corrections=self.evidence.corrections(np.array([model.coef[k] for k in OP_CLASSES])))
             if self.memory_record:
-                self.memory = fit_memory(self.memory_samples(), unseen=UNSEEN_MARGIN, noise=MEASURED_NOISE.get(self.profile.kind, 0.0))
+                self.memory = self.fitted_memory()
             if self.transfers:
                 self.transitions = self.transitions.with_links(list(self.transfers), self.links)
             if self.transition_samples:
